@@ -1,0 +1,76 @@
+"""Typed configuration shared by the CLI, the engine and (later) the server.
+
+Each CLI flag maps one-to-one onto a field here. Names follow vLLM / OpenAI where a user would
+look for them. Every config validates itself in ``__post_init__`` and raises ``ValueError`` with
+a message that names the bad field and the accepted range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns logits into tokens and when it stops.
+
+    ``temperature == 0`` means greedy decoding. The transforms (temperature, top-k, top-p,
+    min-p) are applied by :func:`verispec.sampling.logits_to_probs`, the single function that
+    both plain decoding and speculative verification use for the target *and* the draft.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM-compatible speculative decoding settings (``--speculative-config`` JSON).
+
+    ``method`` picks a drafter from :mod:`verispec.spec.registry`; the drafter reads the
+    fields it needs and ignores the rest.
+    """
+
+    method: str
+    num_speculative_tokens: int = 4
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        if not (1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min}..{self.prompt_lookup_max}"
+            )

@@ -1,0 +1,356 @@
+"""One decoder for the Llama family: Llama, Qwen2, Mistral and SmolLM2.
+
+The architectures differ only by configuration (qkv bias, tied embeddings, RoPE base and
+scaling, grouped-query attention, RMSNorm epsilon, sliding window), so one implementation serves
+them all. Weights arrive under Hugging Face names and are fused on load: q/k/v into one
+projection and gate/up into another, which halves the matmul calls per layer.
+
+Numerics are designed for *batch invariance*: a token's logits do not depend on how many other
+rows share the pass. Every reduction runs over the same length whatever T is (linear layers in
+bf16 are row-invariant on CPU; attention reduces over a cache length padded to a block, see
+:mod:`verispec.models.kv_cache`). That is what lets greedy speculative decoding reproduce plain
+greedy decoding token for token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from verispec.models.kv_cache import KVCache
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is valid but describes a model verispec cannot run."""
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+    max_position_embeddings: int = 4096
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping) -> DecoderConfig:
+        """Build from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x layout)."""
+        archs = list(cfg.get("architectures") or [])
+        arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {arch!r} (model_type={cfg.get('model_type')!r}); "
+                f"verispec supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_scaling = cfg.get("rope_scaling") or None
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+        rope_theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+        num_heads = cfg["num_attention_heads"]
+        sliding = cfg.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=_check_rope_scaling(rope_scaling),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_window=sliding,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        )
+
+
+def _arch_from_model_type(model_type: str | None) -> str:
+    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+        model_type or "", f"<model_type {model_type!r}>"
+    )
+
+
+def _check_rope_scaling(scaling: dict | None) -> dict | None:
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise UnsupportedModelError(
+            f"unsupported rope scaling {kind!r}; verispec supports: default, linear, llama3"
+        )
+    return None if kind == "default" else {**scaling, "rope_type": kind}
+
+
+def rope_inv_freq(config: DecoderConfig) -> Tensor:
+    """RoPE inverse frequencies [head_dim/2], with linear or llama3 scaling applied."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = config.rope_scaling
+    if s is None:
+        return inv
+    if s["rope_type"] == "linear":
+        return inv / s["factor"]
+    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, blended, scaled)
+
+
+@dataclass
+class DecoderOutput:
+    logits: Tensor  # [batch, n_logits, vocab] float32
+    # HF convention: [embeddings, layer_1, ..., layer_L normed], each [batch, T, hidden]
+    hidden_states: list[Tensor] | None = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Masked attention with grouped-query heads, written to be batch invariant.
+
+    q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, T, S] bool (True = attend).
+    The G = H / Hkv query heads that share a KV head are folded into the rows of one matmul, so
+    K and V are never repeated. Scores and softmax run in float32. Each output row reduces over
+    exactly S keys whatever T is; ``F.scaled_dot_product_attention`` on CPU does not guarantee
+    that (its output rows change with T for long caches), so it is not used here.
+    """
+    b, h, t, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    qg = q.reshape(b, hkv, g * t, d)  # rows ordered (head-in-group, token)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (d**-0.5)  # [B, Hkv, G*T, S]
+    scores = scores.view(b, hkv, g, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, g * t, -1)
+    return torch.matmul(probs, v).view(b, h, t, d)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.split = (q_out, kv_out, kv_out)
+        self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.qkv = nn.Linear(c.hidden_size, q_out + 2 * kv_out, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(q_out, c.hidden_size, bias=False)
+        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,  # [B, T, hidden]
+        cos: Tensor,  # [B, 1, T, head_dim]
+        sin: Tensor,  # [B, 1, T, head_dim]
+        cache: KVCache,
+        layer: int,
+        slots: list[int],
+        mask: Tensor,  # [B, 1, T, S] bool, True = attend
+        attend_len: int,
+    ) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.input_norm(x)).split(self.split, dim=-1)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        cache.write(layer, slots, k, v)
+        keys, values = cache.view(layer, slots, attend_len)  # [B, Hkv, S, D]
+        attn = grouped_attention(q, keys, values, mask)  # [B, H, T, D]
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        gate, up = self.gate_up(self.post_attn_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Decoder(nn.Module):
+    """Llama-family causal LM over a :class:`KVCache`."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False
+        )
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.requires_grad_(False)
+
+    @classmethod
+    def empty(cls, config: DecoderConfig, *, dtype: torch.dtype, device: torch.device | str) -> Decoder:
+        """Allocate without initialising (weights come from :meth:`load_hf_weights`)."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device=device).to(dtype)
+        model.inv_freq = rope_inv_freq(config).to(device)
+        return model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def lm_head_weight(self) -> Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def new_cache(self, max_len: int, num_slots: int = 1, block: int = 256) -> KVCache:
+        c = self.config
+        return KVCache(
+            c.num_layers, num_slots, c.num_kv_heads, c.head_dim, max_len,
+            dtype=self.dtype, device=self.device, block=block,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: Tensor,  # [B, T] int64
+        positions: Tensor,  # [B, T] int64 (RoPE positions; for a chain, the cache indices)
+        kv_cache: KVCache,
+        attn_mask: Tensor | None = None,  # [B, T, K] bool over cache indices [0, K)
+        *,
+        slots: list[int] | None = None,
+        num_logits: int | None = None,
+        output_hidden_states: bool = False,
+    ) -> Tensor | DecoderOutput:
+        """Run T new tokens per row, append their K/V to the cache and return logits.
+
+        ``attn_mask`` (True = attend) covers cache indices; row b's new tokens sit at indices
+        ``kv_cache.lengths[slots[b]] + [0, T)``. Without it the mask is causal (plus the sliding
+        window, if any). ``num_logits`` computes logits for the last n rows only (prefill needs
+        just the last). Returns float32 logits ``[B, n, vocab]``, or a :class:`DecoderOutput`
+        with hidden states when ``output_hidden_states``.
+        """
+        b, t = token_ids.shape
+        slots = list(range(b)) if slots is None else slots
+        if len(slots) != b:
+            raise ValueError(f"got {b} rows but {len(slots)} slots")
+        kv_cache.check_room(slots, t)
+        starts = [kv_cache.lengths[s] for s in slots]
+        attend_len = kv_cache.attend_len(max(starts) + t)
+        mask = self._mask(starts, t, attend_len, attn_mask, positions.device)
+
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+        x = self.embed(token_ids)  # [B, T, hidden]
+        hidden = [x] if output_hidden_states else None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache, i, slots, mask, attend_len)
+            if hidden is not None and i < len(self.layers) - 1:
+                hidden.append(x)
+        kv_cache.advance(slots, t)
+        x = self.norm(x)
+        if hidden is not None:
+            hidden.append(x)
+        if num_logits is not None:
+            x = x[:, -num_logits:]
+        logits = F.linear(x, self.lm_head_weight()).float()
+        return DecoderOutput(logits, hidden) if output_hidden_states else logits
+
+    def _mask(
+        self, starts: list[int], t: int, attend_len: int, attn_mask: Tensor | None, device: torch.device
+    ) -> Tensor:
+        """Boolean attention mask [B, 1, T, attend_len] over cache indices."""
+        kv_idx = torch.arange(attend_len, device=device)  # [S]
+        q_idx = torch.tensor(starts, device=device)[:, None] + torch.arange(t, device=device)  # [B, T]
+        if attn_mask is None:
+            mask = kv_idx[None, None, :] <= q_idx[:, :, None]  # [B, T, S]
+            if self.config.sliding_window is not None:
+                mask &= kv_idx[None, None, :] > q_idx[:, :, None] - self.config.sliding_window
+        else:
+            if attn_mask.dim() != 3 or attn_mask.shape[:2] != (len(starts), t):
+                raise ValueError(f"attn_mask must be [batch, T, K]; got {tuple(attn_mask.shape)}")
+            k = min(attn_mask.shape[-1], attend_len)
+            mask = torch.zeros(len(starts), t, attend_len, dtype=torch.bool, device=device)
+            mask[..., :k] = attn_mask[..., :k].to(device=device, dtype=torch.bool)
+        return mask[:, None]
+
+    def load_hf_weights(self, tensors: Mapping[str, Tensor]) -> None:
+        """Copy weights given under Hugging Face names, fusing q/k/v and gate/up."""
+        missing: list[str] = []
+
+        def get(name: str) -> Tensor:
+            if name not in tensors:
+                missing.append(name)
+                return torch.empty(0)
+            return tensors[name]
+
+        def put(dst: Tensor, *names: str) -> None:
+            parts = [get(n) for n in names]
+            if missing:
+                return
+            src = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if src.shape != dst.shape:
+                raise ValueError(f"weight {names[0]} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(src)
+
+        with torch.no_grad():
+            put(self.embed.weight, "model.embed_tokens.weight")
+            put(self.norm.weight, "model.norm.weight")
+            if self.lm_head is not None:
+                put(self.lm_head.weight, "lm_head.weight")
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                attn = [p + f"self_attn.{n}_proj" for n in "qkv"]
+                put(layer.qkv.weight, *(n + ".weight" for n in attn))
+                if layer.qkv.bias is not None:
+                    put(layer.qkv.bias, *(n + ".bias" for n in attn))
+                put(layer.o_proj.weight, p + "self_attn.o_proj.weight")
+                put(layer.gate_up.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+                put(layer.down.weight, p + "mlp.down_proj.weight")
+                put(layer.input_norm.weight, p + "input_layernorm.weight")
+                put(layer.post_attn_norm.weight, p + "post_attention_layernorm.weight")
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing weights: {shown}")
