@@ -38,8 +38,15 @@ most ``max_n`` trie nodes per token (fewer on repetitive text).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["NgramIndex"]
+from verispec.config import SpeculativeConfig
+from verispec.spec.base import DrafterContext, Outcome, Proposal, register_drafter
+
+if TYPE_CHECKING:
+    from verispec.engine.sequence import Sequence as Seq
+
+__all__ = ["NgramIndex", "NgramDrafter"]
 
 _ROOT = 0
 
@@ -153,3 +160,28 @@ class NgramIndex:
                 # Ends arrive in increasing order, so the newest is the most recent.
                 self._latest_end[child] = end
             node = child
+
+
+class NgramDrafter:
+    """``ngram`` (prompt lookup): deterministic drafts copied from earlier in the sequence."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._index: dict[int, NgramIndex] = {}  # slot -> index over prompt + output
+
+    def start(self, seq: Seq) -> None:
+        self._index[seq.slot] = NgramIndex(seq.token_ids, self.min_n, self.max_n)
+
+    def propose(self, seq: Seq, k: int) -> Proposal:
+        return Proposal(self._index[seq.slot].propose(k))
+
+    def feedback(self, seq: Seq, outcome: Outcome) -> None:
+        self._index[seq.slot].extend(outcome.committed)
+
+    def finish(self, seq: Seq) -> None:
+        self._index.pop(seq.slot, None)
+
+
+@register_drafter("ngram")
+def make_ngram_drafter(config: SpeculativeConfig, context: DrafterContext) -> NgramDrafter:
+    return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)

@@ -1,0 +1,52 @@
+"""Tiny random models and a toy tokenizer for engine tests (no files, no downloads)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from verispec.models.decoder import Decoder, DecoderConfig
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+class ToyTokenizer:
+    """Token i decodes to one character; enough for the detokenizer and stop strings."""
+
+    def __init__(self, vocab: int, eos: int) -> None:
+        self.vocab, self.eos = vocab, eos
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join("" if (skip_special_tokens and i == self.eos) else LETTERS[i % len(LETTERS)] for i in ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"t{i}": i for i in range(self.vocab)}
+
+
+def tiny_model(vocab: int = 48, seed: int = 0, layers: int = 2, dtype=torch.bfloat16, noise_from=None,
+               noise: float = 0.0) -> Decoder:
+    """A random Qwen2-style decoder; ``noise_from`` makes a perturbed copy of another model."""
+    cfg = DecoderConfig(
+        architecture="Qwen2ForCausalLM", vocab_size=vocab, hidden_size=64, intermediate_size=128,
+        num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, rope_theta=10000.0,
+    )
+    model = Decoder.empty(cfg, dtype=dtype, device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if noise_from is not None:
+                src = dict(noise_from.named_parameters())[name]
+                p.copy_(src + noise * torch.randn(p.shape, generator=gen).to(p.dtype))
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return model
+
+
+def loaded(model: Decoder, eos: int = -1, name: str = "tiny") -> SimpleNamespace:
+    """Something shaped like ``verispec.models.loader.LoadedModel`` for the engine."""
+    tok = ToyTokenizer(model.config.vocab_size, eos)
+    tokenizer = SimpleNamespace(hf=tok, eos_token_ids=frozenset([eos]) if eos >= 0 else frozenset())
+    return SimpleNamespace(model=model, tokenizer=tokenizer, name=name)

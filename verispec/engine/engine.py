@@ -1,0 +1,188 @@
+"""The generation loop: prefill, then rounds of propose → verify → accept → commit.
+
+The engine works on token ids; text appears only where stop strings need it (through the
+sequence's detokenizer). Plain decoding is the same loop with no drafter: every round proposes
+nothing and the target's single-position pass yields exactly one token, so plain and speculative
+decoding share one code path, and greedy speculative output is token-identical to plain greedy
+output as long as the decoder is batch invariant (see :mod:`verispec.models.decoder`).
+
+One round for a sequence whose target cache holds ``L`` positions (every committed token but
+the last, ``t``)::
+
+    propose  drafter -> d_1..d_n                       (n <= k)
+    verify   target([t, d_1..d_n] at positions L..L+n) -> p_1..p_{n+1}; verification keeps
+             a <= n drafts and adds one recovered-or-bonus token x
+    accept   commit d_1..d_a, x, stopping early on EOS / stop string / max_tokens
+    commit   roll the target cache back to L + 1 + a; tell the drafter the outcome
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from verispec.config import SamplingParams, SpeculativeConfig
+from verispec.detokenize import IncrementalDetokenizer
+from verispec.engine.sequence import Sequence
+from verispec.sampling import logits_to_probs, make_generator
+from verispec.spec.base import EMPTY_PROPOSAL, Drafter, DrafterContext, Outcome, Proposal, build_drafter
+from verispec.spec.metrics import SpecMetrics
+from verispec.spec.verify import VerifyResult, verify_greedy, verify_stochastic
+
+if TYPE_CHECKING:
+    from verispec.models.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class Verified:
+    result: VerifyResult
+    cache_start: int  # target cache length before the verify pass (L)
+
+
+class Engine:
+    """Single-sequence generation with an optional drafter.
+
+    Args:
+        target: the loaded target model.
+        speculative: which drafter to use; ``None`` for plain decoding.
+        max_model_len: prompt + output positions the KV cache holds.
+        drafter: an already built drafter, instead of building one from ``speculative``
+            (which then only supplies ``num_speculative_tokens``).
+    """
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        speculative: SpeculativeConfig | None = None,
+        *,
+        max_model_len: int = 4096,
+        drafter: Drafter | None = None,
+    ) -> None:
+        self.target = target
+        self.model = target.model
+        self.max_model_len = min(max_model_len, self.model.config.max_position_embeddings)
+        self.cache = self.model.new_cache(self.max_model_len)
+        self.k = speculative.num_speculative_tokens if speculative else 0
+        if drafter is None and speculative is not None:
+            drafter = build_drafter(speculative, DrafterContext(target, self.max_model_len))
+        self.drafter = drafter
+        self.metrics = SpecMetrics()  # aggregated over all requests
+
+    # ---- public API --------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Sequence:
+        """Generate a completion for ``prompt_ids``; ``on_text`` receives text as it streams."""
+        seq = self._prefill(prompt_ids, params)
+        emit = on_text or (lambda _text: None)
+        emit(seq.text)
+        while not seq.finished:
+            emit(self.step(seq))
+        if self.drafter is not None:
+            self.drafter.finish(seq)
+        self.metrics.merge(seq.metrics)
+        return seq
+
+    def step(self, seq: Sequence) -> str:
+        """One round: propose → verify → accept → commit. Returns the new text."""
+        t0 = time.perf_counter()
+        proposal = self._propose(seq)
+        t1 = time.perf_counter()
+        verified = self._verify(seq, proposal)
+        t2 = time.perf_counter()
+        committed, text = self._accept(seq, proposal, verified)
+        self._commit(seq, proposal, verified, committed)
+        t3 = time.perf_counter()
+        m = seq.metrics
+        m.draft_time_s += t1 - t0
+        m.verify_time_s += t2 - t1
+        m.other_time_s += t3 - t2
+        return text
+
+    # ---- phases ------------------------------------------------------------------------------
+
+    def _prefill(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}"
+            )
+        tok = self.target.tokenizer
+        seq = Sequence(
+            prompt_ids=list(prompt_ids),
+            params=params,
+            generator=make_generator(params.seed, self.model.device),
+            eos_token_ids=tok.eos_token_ids,
+            detokenizer=IncrementalDetokenizer(tok.hf, prompt_ids),
+        )
+        t0 = time.perf_counter()
+        self.cache.reset(seq.slot)
+        ids = torch.tensor([prompt_ids], device=self.model.device)  # [1, P]
+        positions = torch.arange(len(prompt_ids), device=self.model.device)[None]  # [1, P]
+        logits = self.model(ids, positions, self.cache, slots=[seq.slot], num_logits=1)  # [1, 1, V]
+        result = self._verify_logits(seq, EMPTY_PROPOSAL, logits)
+        seq.append(result.committed(0))
+        seq.metrics.prefill_time_s += time.perf_counter() - t0
+        if self.drafter is not None and not seq.finished:
+            t1 = time.perf_counter()
+            self.drafter.start(seq)
+            seq.metrics.draft_time_s += time.perf_counter() - t1
+        return seq
+
+    def _propose(self, seq: Sequence) -> Proposal:
+        # Never draft past max_tokens or past the cache: the verify pass writes n + 1 positions.
+        room = min(
+            self.k,
+            seq.params.max_tokens - len(seq.output_ids) - 1,
+            self.max_model_len - self.cache.length(seq.slot) - 1,
+        )
+        if self.drafter is None or room <= 0:
+            return EMPTY_PROPOSAL
+        proposal = self.drafter.propose(seq, room)
+        if len(proposal) > room:
+            raise RuntimeError(f"drafter proposed {len(proposal)} tokens, more than the {room} asked for")
+        return proposal
+
+    def _verify(self, seq: Sequence, proposal: Proposal) -> Verified:
+        start = self.cache.length(seq.slot)
+        if start + len(proposal) + 1 > self.max_model_len:
+            raise ValueError(f"the sequence reached max_model_len={self.max_model_len}")
+        device = self.model.device
+        ids = torch.tensor([[seq.output_ids[-1], *proposal.tokens]], device=device)  # [1, n+1]
+        positions = torch.arange(start, start + ids.shape[1], device=device)[None]  # [1, n+1]
+        t0 = time.perf_counter()
+        logits = self.model(ids, positions, self.cache, slots=[seq.slot])  # [1, n+1, V]
+        seq.metrics.record_target(ids.shape[1], time.perf_counter() - t0)
+        return Verified(self._verify_logits(seq, proposal, logits), start)
+
+    def _verify_logits(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> VerifyResult:
+        p = seq.params
+        draft = torch.tensor([proposal.tokens], dtype=torch.long, device=logits.device)  # [1, n]
+        if p.greedy:
+            return verify_greedy(draft, logits)
+        target_probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [1, n+1, V]
+        draft_probs = None if proposal.probs is None else proposal.probs[None]  # [1, n, V]
+        return verify_stochastic(draft, draft_probs, target_probs, seq.generator)
+
+    def _accept(self, seq: Sequence, proposal: Proposal, verified: Verified) -> tuple[list[int], str]:
+        committed, text = seq.append(verified.result.committed(0))
+        num_accepted = int(verified.result.num_accepted[0])
+        seq.metrics.record_round(len(proposal), num_accepted, len(committed))
+        return committed, text
+
+    def _commit(self, seq: Sequence, proposal: Proposal, verified: Verified, committed: list[int]) -> None:
+        # The pass wrote t, d_1..d_n; keep t and the accepted drafts (the last committed token's
+        # K/V is written next round).
+        self.cache.truncate(seq.slot, verified.cache_start + len(committed))
+        if self.drafter is not None and not seq.finished:
+            outcome = Outcome(len(proposal), int(verified.result.num_accepted[0]), committed)
+            self.drafter.feedback(seq, outcome)

@@ -1,0 +1,77 @@
+"""One request's state as the engine sees it.
+
+Invariant kept by the engine: the target's KV cache slot holds every committed token except the
+last one (``len(token_ids) - 1`` entries). The last committed token is fed at the start of the
+next round, followed by that round's drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.config import SamplingParams
+from verispec.detokenize import IncrementalDetokenizer, StopChecker
+from verispec.spec.metrics import SpecMetrics
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    eos_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer | None
+    slot: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    stop_checker: StopChecker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stop_checker = StopChecker(self.params.stop)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, tokens: list[int]) -> tuple[list[int], str]:
+        """Commit tokens one at a time until a stop condition fires.
+
+        Returns the tokens actually committed (a prefix of ``tokens``) and the new text that is
+        safe to emit. EOS ends the sequence (the EOS id is kept in ``output_ids`` but produces
+        no text); a stop string ends it with the text cut before the stop string; reaching
+        ``max_tokens`` ends it with reason "length".
+        """
+        committed: list[int] = []
+        pieces: list[str] = []
+        for tok in tokens:
+            committed.append(tok)
+            self.output_ids.append(tok)
+            if tok in self.eos_token_ids and not self.params.ignore_eos:
+                self.finish_reason = "stop"
+            elif self.detokenizer is not None:
+                piece, stopped = self.stop_checker.feed(self.detokenizer.push(tok))
+                pieces.append(piece)
+                if stopped:
+                    self.finish_reason = "stop"
+            if self.finish_reason is None and len(self.output_ids) >= self.params.max_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason is not None:
+                break
+        if self.finish_reason is not None and not self.stop_checker.stopped and self.detokenizer is not None:
+            pieces.append(self.stop_checker.feed(self.detokenizer.flush())[0])
+            pieces.append(self.stop_checker.flush())
+        new_text = "".join(pieces)
+        self.text += new_text
+        return committed, new_text

@@ -1,0 +1,107 @@
+"""``draft_model``: a separate small model with its own KV cache drafts autoregressively.
+
+Draft cache bookkeeping for one round, with ``L0`` committed tokens before the round::
+
+    cache holds      ids[:c]                 (c < L0: whatever it has not seen yet is fed now)
+    propose k        feed ids[c:L0] -> q_1, d_1; feed d_1 -> q_2, d_2; ... feed d_{k-1} -> q_k, d_k
+    cache holds      ids[:L0] + d_1..d_{k-1}  (d_k is never fed)
+    a accepted       committed = d_1..d_a + x; keep ids[:L0] + d_1..d_min(a, k-1)
+
+When all k drafts are accepted, d_k and the bonus token are both missing from the cache; the next
+round feeds them together in its first forward, so catching up costs no extra pass.
+
+The draft samples from q = logits_to_probs(draft logits) with the request's own sampling
+settings and generator, and returns q with the tokens, so verification stays exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from typing import TYPE_CHECKING
+
+from verispec.config import SpeculativeConfig
+from verispec.engine.sequence import Sequence
+from verispec.sampling import logits_to_probs, sample
+from verispec.spec.base import DrafterContext, Outcome, Proposal, register_drafter
+
+if TYPE_CHECKING:
+    from verispec.models.loader import LoadedModel
+
+
+def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raise if the draft's token ids do not mean the same strings as the target's."""
+    t_vocab, d_vocab = target.tokenizer.hf.get_vocab(), draft.tokenizer.hf.get_vocab()
+    if t_vocab != d_vocab:
+        only_t = len(t_vocab.keys() - d_vocab.keys())
+        only_d = len(d_vocab.keys() - t_vocab.keys())
+        moved = sum(1 for tok, i in d_vocab.items() if t_vocab.get(tok, i) != i)
+        raise ValueError(
+            f"draft model {draft.name!r} has a vocabulary incompatible with the target "
+            f"{target.name!r}: {only_t} tokens only in the target, {only_d} only in the draft, "
+            f"{moved} with different ids. Pick a draft that shares the target's tokenizer."
+        )
+
+
+class DraftModelDrafter:
+    def __init__(self, draft: LoadedModel, target_vocab: int, max_model_len: int) -> None:
+        self.model = draft.model
+        self.target_vocab = target_vocab
+        self.cache = self.model.new_cache(max_model_len)
+        self._round_start: dict[int, tuple[int, int]] = {}  # slot -> (L0, k) of the last proposal
+
+    def start(self, seq: Sequence) -> None:
+        self.cache.reset(seq.slot)
+
+    def propose(self, seq: Sequence, k: int) -> Proposal:
+        ids = seq.token_ids
+        feed = ids[self.cache.length(seq.slot):]  # >= 1 token: at least the last committed one
+        p = seq.params
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self._forward(seq.slot, feed)  # [V_target]
+            if p.greedy:
+                tok = int(logits.argmax())
+            else:
+                q = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [V_target]
+                tok = int(sample(q, seq.generator))
+                probs.append(q)
+            tokens.append(tok)
+            feed = [tok]
+        self._round_start[seq.slot] = (len(ids), k)
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def feedback(self, seq: Sequence, outcome: Outcome) -> None:
+        start, k = self._round_start.pop(seq.slot)
+        self.cache.truncate(seq.slot, start + min(outcome.num_accepted, k - 1))
+
+    def finish(self, seq: Sequence) -> None:
+        self._round_start.pop(seq.slot, None)
+        self.cache.reset(seq.slot)
+
+    def _forward(self, slot: int, tokens: list[int]) -> torch.Tensor:
+        """Feed ``tokens``; return the next-token logits over the target's vocabulary [V_target]."""
+        start = self.cache.length(slot)
+        device = self.model.device
+        ids = torch.tensor([tokens], device=device)  # [1, T]
+        positions = torch.arange(start, start + len(tokens), device=device)[None]  # [1, T]
+        logits = self.model(ids, positions, self.cache, slots=[slot], num_logits=1)[0, -1]  # [V_draft]
+        # Embedding tables are often padded past the tokenizer; align with the target's size.
+        # Draft-only ids get -inf, so q (and hence what is sampled) never includes them.
+        if logits.shape[0] >= self.target_vocab:
+            return logits[: self.target_vocab]
+        pad = logits.new_full((self.target_vocab - logits.shape[0],), float("-inf"))
+        return torch.cat((logits, pad))
+
+
+@register_drafter("draft_model")
+def make_draft_model_drafter(config: SpeculativeConfig, context: DrafterContext) -> DraftModelDrafter:
+    if not config.model:
+        raise ValueError('method "draft_model" needs "model": a bundled name, HF directory or .gguf path')
+    from verispec.models.loader import load_model  # the loader pulls in transformers; load lazily
+
+    target = context.target
+    draft = load_model(config.model, device=target.model.device, dtype=target.model.dtype)
+    check_vocab_compatible(target, draft)
+    return DraftModelDrafter(draft, target.model.config.vocab_size, context.max_model_len)
