@@ -7,7 +7,8 @@ a message that names the bad field and the accepted range.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,14 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if not isinstance(self.method, str) or not self.method:
+            raise ValueError(f"method must be a non-empty string, got {self.method!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
@@ -74,3 +80,33 @@ class SpeculativeConfig:
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min}..{self.prompt_lookup_max}"
             )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SpeculativeConfig:
+        """Build from a ``--speculative-config`` dict; unknown keys are an error.
+
+        As in vLLM, ``method`` may be left out when ``model`` is given (it means
+        ``draft_model``).
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {type(data).__name__}")
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"unknown speculative config key(s): {', '.join(unknown)}; valid keys: {', '.join(valid)}"
+            )
+        data = dict(data)
+        if "method" not in data:
+            if not data.get("model"):
+                raise ValueError('speculative config needs "method" (or "model" for a draft model)')
+            data["method"] = "draft_model"
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        return cls.from_dict(data)

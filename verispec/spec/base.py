@@ -106,12 +106,16 @@ def available_methods() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build_drafter(config: SpeculativeConfig, context: DrafterContext) -> Drafter:
-    _load_builtin_drafters()
-    if config.method not in _REGISTRY:
+def check_method(method: str) -> None:
+    """Raise a clear error, listing the valid methods, if ``method`` is not registered."""
+    if method not in available_methods():
         raise ValueError(
-            f"unknown speculative method {config.method!r}; valid methods: {', '.join(sorted(_REGISTRY))}"
+            f"unknown speculative method {method!r}; valid methods: {', '.join(available_methods())}"
         )
+
+
+def build_drafter(config: SpeculativeConfig, context: DrafterContext) -> Drafter:
+    check_method(config.method)
     return _REGISTRY[config.method](config, context)
 
 

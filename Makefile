@@ -1,0 +1,46 @@
+# verispec set-up. `make demo` runs the main job, `make test` runs the test suite; both create
+# the virtual environment on first use.
+#
+# TORCH_SPEC picks the torch build. The default is the CPU build that this kind of machine has
+# on local disk; with a GPU, pass your CUDA build instead, e.g.
+#   make setup TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu126"
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+DEMO_PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring.
+
+.PHONY: setup demo test test-fast bench-decode bench-spec clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e ".[test,server]"
+	touch $@
+
+# The main job: Qwen2.5-Coder-1.5B-Instruct answers a chat prompt, with the 0.5B model drafting
+# (fetched and verified on first use), then plain decoding runs on the same prompt for the
+# speedup and an identity check.
+demo: setup
+	$(VENV)/bin/verispec generate qwen2.5-coder-1.5b-instruct "$(DEMO_PROMPT)" \
+		--speculative-model qwen2.5-coder-0.5b-instruct --num-speculative-tokens 4 \
+		--max-tokens 128 --threads 2 --compare-plain
+
+# Every test, real-model ones included (models are fetched on first use).
+test: setup
+	$(PY) -m pytest -q
+
+# Unit tests only: tiny random models, no downloads.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+bench-decode: setup
+	$(PY) benchmarks/bench_decode.py
+
+bench-spec: setup
+	$(PY) benchmarks/bench_spec.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

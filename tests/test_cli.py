@@ -1,0 +1,57 @@
+"""The command line rejects bad input with a clear message and exit code 2, before loading."""
+
+from __future__ import annotations
+
+import pytest
+
+from verispec.cli import build_parser, main, speculative_config_from_args
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--max-tokens", "0"], "max_tokens must be a positive integer"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top_p must be in"),
+        (["--top-p", "1.01"], "top_p must be in"),
+        (["--speculative-config", '{"method": "ngram", "bogus": 1}'], "unknown speculative config key"),
+        (["--speculative-method", "nope"], "unknown speculative method 'nope'"),
+    ],
+)
+def test_generate_bad_input_exits_with_clear_message(capsys, extra, message):
+    code = main(["generate", "no-such-model-anywhere", "hello", *extra])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_empty_prompt_is_rejected(capsys):
+    assert main(["generate", "no-such-model-anywhere", ""]) == 2
+    assert "prompt is empty" in capsys.readouterr().err
+
+
+def test_unknown_model_lists_bundled_names(capsys):
+    assert main(["generate", "no-such-model-anywhere", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "qwen2.5-coder-1.5b-instruct" in err and "smollm2-135m-instruct" in err
+
+
+def test_shorthand_flags_override_the_json_config():
+    args = build_parser().parse_args([
+        "generate", "m", "p", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+        "--num-speculative-tokens", "6",
+    ])
+    cfg = speculative_config_from_args(args)
+    assert (cfg.method, cfg.num_speculative_tokens) == ("ngram", 6)
+
+
+def test_speculative_model_shorthand_means_draft_model():
+    args = build_parser().parse_args(["generate", "m", "p", "--speculative-model", "d"])
+    cfg = speculative_config_from_args(args)
+    assert (cfg.method, cfg.model) == ("draft_model", "d")
+
+
+def test_models_list_names_all_bundled_models(capsys):
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"):
+        assert name in out

@@ -1,0 +1,74 @@
+"""Bad input is a clear error: sampling parameters and the speculative config."""
+
+from __future__ import annotations
+
+import pytest
+
+from verispec.config import SamplingParams, SpeculativeConfig
+from verispec.spec.base import DrafterContext, available_methods, build_drafter
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be a positive integer"),
+        ({"max_tokens": -3}, "max_tokens must be a positive integer"),
+        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+        ({"top_k": -2}, "top_k must be"),
+        ({"min_p": 2.0}, r"min_p must be in \[0, 1\]"),
+        ({"stop": ("",)}, "stop strings must be non-empty"),
+    ],
+)
+def test_bad_sampling_params_are_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_temperature_zero_is_greedy():
+    assert SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams(temperature=0.7).greedy
+
+
+def test_speculative_config_json_matches_vllm_names():
+    cfg = SpeculativeConfig.from_json(
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 6}'
+    )
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 5, 2, 6)
+
+
+def test_model_without_method_means_draft_model():
+    assert SpeculativeConfig.from_dict({"model": "some-draft"}).method == "draft_model"
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ValueError, match="unknown speculative config key.*num_spec_tokens.*valid keys: method"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_spec_tokens": 3})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be >= 1"),
+        ('{"method": "ngram", "num_speculative_tokens": "3"}', "must be an integer"),
+        ('{"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "prompt_lookup_min <= prompt_lookup_max"),
+        ('{"num_speculative_tokens": 3}', 'needs "method"'),
+    ],
+)
+def test_bad_speculative_config_is_clear_error(text, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.from_json(text)
+
+
+def test_unknown_method_lists_valid_methods():
+    assert {"draft_model", "ngram"} <= set(available_methods())
+    with pytest.raises(ValueError, match="unknown speculative method 'medusa2'; valid methods: .*draft_model.*ngram"):
+        build_drafter(SpeculativeConfig(method="medusa2"), DrafterContext(target=None, max_model_len=16))
+
+
+def test_draft_model_without_model_is_clear_error():
+    with pytest.raises(ValueError, match='needs "model"'):
+        build_drafter(SpeculativeConfig(method="draft_model"), DrafterContext(target=None, max_model_len=16))
