@@ -1,0 +1,118 @@
+"""Decoder and KV cache invariants on tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny import tiny_model
+from verispec.models.decoder import DecoderConfig, UnsupportedModelError
+from verispec.models.kv_cache import KVCache
+
+
+def full_logits(model, ids):
+    cache = model.new_cache(64, num_slots=ids.shape[0])
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    return model(ids, positions, cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_incremental_decoding_equals_full_forward_at_every_step(dtype):
+    model = tiny_model(seed=3, dtype=dtype)
+    ids = torch.randint(0, 48, (2, 24), generator=torch.Generator().manual_seed(0))
+    full = full_logits(model, ids)
+    cache = model.new_cache(64, num_slots=2)
+    steps = [model(ids[:, :8], torch.arange(8).expand(2, -1), cache)]
+    for i in range(8, 24):
+        steps.append(model(ids[:, i : i + 1], torch.full((2, 1), i), cache))
+    incremental = torch.cat(steps, dim=1)
+    # fp32: one-row matmuls take a different (GEMV) path than many-row ones, ~1e-6 relative
+    # per op. bf16: 8-bit mantissa, so compare loosely; bitwise identity is tested below.
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(incremental, full, atol=tol, rtol=tol)
+    assert cache.lengths == [24, 24]
+
+
+def test_bf16_rows_are_batch_invariant():
+    """k+1 rows in one pass give bitwise the same logits as one row at a time (bf16)."""
+    model = tiny_model(seed=4, dtype=torch.bfloat16)
+    ids = torch.randint(0, 48, (1, 40), generator=torch.Generator().manual_seed(1))
+    one, many = model.new_cache(128, block=16), model.new_cache(128, block=16)
+    prefix = torch.arange(20)[None]
+    model(ids[:, :20], prefix, one)
+    model(ids[:, :20], prefix, many)
+    rows = torch.cat([model(ids[:, i : i + 1], torch.tensor([[i]]), one) for i in range(20, 29)], dim=1)
+    # 9 rows crossing a 16-entry attention block boundary (20..28 -> attend lengths 32).
+    block = model(ids[:, 20:29], torch.arange(20, 29)[None], many)
+    assert torch.equal(rows, block)
+
+
+def test_rollback_then_redecode_equals_never_having_decoded():
+    model = tiny_model(seed=5, dtype=torch.float32)
+    ids = torch.randint(0, 48, (1, 20), generator=torch.Generator().manual_seed(2))
+    wrong = torch.randint(0, 48, (1, 5), generator=torch.Generator().manual_seed(3))
+    clean, dirty = model.new_cache(64), model.new_cache(64)
+    model(ids[:, :12], torch.arange(12)[None], clean)
+    model(ids[:, :12], torch.arange(12)[None], dirty)
+    model(wrong, torch.arange(12, 17)[None], dirty)  # speculative garbage ...
+    dirty.truncate(0, 12)  # ... rolled back
+    a = model(ids[:, 12:], torch.arange(12, 20)[None], clean)
+    b = model(ids[:, 12:], torch.arange(12, 20)[None], dirty)
+    assert torch.equal(a, b)
+
+
+def test_keep_compacts_a_tree_path():
+    """Write 3 candidate tokens as siblings, keep one: the cache equals decoding that one alone."""
+    model = tiny_model(seed=6, dtype=torch.float32)
+    ids = torch.randint(0, 48, (1, 10), generator=torch.Generator().manual_seed(4))
+    cands = torch.tensor([[7, 11, 13]])
+    tree, chain = model.new_cache(64), model.new_cache(64)
+    for c in (tree, chain):
+        model(ids, torch.arange(10)[None], c)
+    # Siblings: each candidate sees the prefix and itself only; all sit at position 10.
+    mask = torch.zeros(1, 3, 13, dtype=torch.bool)
+    mask[..., :10] = True
+    mask[0, torch.arange(3), 10 + torch.arange(3)] = True
+    tree_logits = model(cands, torch.full((1, 3), 10), tree, attn_mask=mask)
+    chain_logits = model(cands[:, 1:2], torch.tensor([[10]]), chain)
+    torch.testing.assert_close(tree_logits[:, 1], chain_logits[:, 0], atol=1e-5, rtol=0)
+    tree.keep(0, 10, [1])
+    assert tree.lengths[0] == 11
+    nxt = torch.tensor([[5]])
+    torch.testing.assert_close(
+        model(nxt, torch.tensor([[11]]), tree), model(nxt, torch.tensor([[11]]), chain), atol=1e-5, rtol=0
+    )
+
+
+def test_slots_are_independent():
+    model = tiny_model(seed=7, dtype=torch.float32)
+    ids = torch.randint(0, 48, (2, 12), generator=torch.Generator().manual_seed(5))
+    shared = model.new_cache(64, num_slots=3)
+    model(ids[:1], torch.arange(12)[None], shared, slots=[2])
+    model(ids[1:], torch.arange(12)[None], shared, slots=[0])
+    alone = full_logits(model, ids[:1])
+    nxt = torch.tensor([[3]])
+    a = model(nxt, torch.tensor([[12]]), shared, slots=[2])
+    ref_cache = model.new_cache(64)
+    model(ids[:1], torch.arange(12)[None], ref_cache)
+    torch.testing.assert_close(a, model(nxt, torch.tensor([[12]]), ref_cache), atol=1e-6, rtol=0)
+    assert shared.lengths == [12, 0, 13]
+    assert alone.shape == (1, 12, 48)
+
+
+def test_cache_overflow_is_a_clear_error():
+    model = tiny_model(seed=8, dtype=torch.float32)
+    cache = model.new_cache(8)
+    with pytest.raises(ValueError, match="beyond the cache's max_len=8"):
+        model(torch.zeros(1, 9, dtype=torch.long), torch.arange(9)[None], cache)
+
+
+def test_truncate_past_length_is_rejected():
+    cache = KVCache(1, 1, 1, 4, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="cannot truncate"):
+        cache.truncate(0, 3)
+
+
+def test_unsupported_architecture_names_it_and_lists_supported():
+    with pytest.raises(UnsupportedModelError, match="'GPT2LMHeadModel'.*LlamaForCausalLM, Qwen2ForCausalLM"):
+        DecoderConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
