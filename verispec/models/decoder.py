@@ -227,8 +227,8 @@ class Decoder(nn.Module):
     def empty(cls, config: DecoderConfig, *, dtype: torch.dtype, device: torch.device | str) -> Decoder:
         """Allocate without initialising (weights come from :meth:`load_hf_weights`)."""
         with torch.device("meta"):
-            model = cls(config)
-        model = model.to_empty(device=device).to(dtype)
+            model = cls(config).to(dtype)
+        model = model.to_empty(device=device)
         model.inv_freq = rope_inv_freq(config).to(device)
         return model
 
@@ -327,13 +327,18 @@ class Decoder(nn.Module):
             return tensors[name]
 
         def put(dst: Tensor, *names: str) -> None:
+            """Copy the named tensors, stacked along dim 0, into ``dst`` (a fused weight)."""
             parts = [get(n) for n in names]
             if missing:
                 return
-            src = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            if src.shape != dst.shape:
-                raise ValueError(f"weight {names[0]} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(src)
+            rows = sum(p.shape[0] for p in parts)
+            if rows != dst.shape[0] or any(p.shape[1:] != dst.shape[1:] for p in parts):
+                shapes = ", ".join(str(tuple(p.shape)) for p in parts)
+                raise ValueError(f"weight {names[0]} has shape {shapes}, expected {tuple(dst.shape)} in all")
+            row = 0
+            for part in parts:
+                dst[row : row + part.shape[0]].copy_(part)
+                row += part.shape[0]
 
         with torch.no_grad():
             put(self.embed.weight, "model.embed_tokens.weight")
