@@ -17,7 +17,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e ".[test,server]"
+	$(PY) -m pip install --quiet -e ".[test,server,bench]"
 	touch $@
 
 # The main job: Qwen2.5-Coder-1.5B-Instruct answers a chat prompt, with the 0.5B model drafting
