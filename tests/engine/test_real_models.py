@@ -65,18 +65,14 @@ def test_qwen_coder_1_5b_with_0_5b_draft_identical(qwen_pair):
     drafter = DraftModelDrafter(draft, target.model.config.vocab_size, 1024)
     spec_engine = Engine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=4),
                          max_model_len=1024, drafter=drafter)
-    ngram_engine = Engine(target, SpeculativeConfig(method="ngram", num_speculative_tokens=3),
-                          max_model_len=1024)
     plain_engine = Engine(target, max_model_len=1024)
     accepted = 0
     for text in PROMPTS:
         ids = prompt_ids(target, text)
         plain = plain_engine.generate(ids, GREEDY)
         spec = spec_engine.generate(ids, GREEDY)
-        ngram = ngram_engine.generate(ids, GREEDY)
         assert len(plain.output_ids) > 16
         assert spec.output_ids == plain.output_ids, text
-        assert ngram.output_ids == plain.output_ids, text
         accepted += spec.metrics.num_accepted_tokens
     assert accepted > 0
 

@@ -131,11 +131,9 @@ class Engine:
         logits = self.model(ids, positions, self.cache, slots=[seq.slot], num_logits=1)  # [1, 1, V]
         result = self._verify_logits(seq, EMPTY_PROPOSAL, logits)
         seq.append(result.committed(0))
-        seq.metrics.prefill_time_s += time.perf_counter() - t0
         if self.drafter is not None and not seq.finished:
-            t1 = time.perf_counter()
-            self.drafter.start(seq)
-            seq.metrics.draft_time_s += time.perf_counter() - t1
+            self.drafter.start(seq)  # the drafter reads the prompt too: part of prefill
+        seq.metrics.prefill_time_s += time.perf_counter() - t0
         return seq
 
     def _propose(self, seq: Sequence) -> Proposal:

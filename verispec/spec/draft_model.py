@@ -51,7 +51,12 @@ class DraftModelDrafter:
         self._round_start: dict[int, tuple[int, int]] = {}  # slot -> (L0, k) of the last proposal
 
     def start(self, seq: Sequence) -> None:
+        """Prefill the draft cache with everything but the last committed token."""
         self.cache.reset(seq.slot)
+        ids = seq.token_ids[:-1]
+        device = self.model.device
+        self.model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device)[None],
+                   self.cache, slots=[seq.slot], num_logits=1)
 
     def propose(self, seq: Sequence, k: int) -> Proposal:
         ids = seq.token_ids
