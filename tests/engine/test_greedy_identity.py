@@ -13,6 +13,8 @@ from tiny import loaded
 
 # A prompt with repeats, so prompt lookup finds matches.
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]
+# Long enough to take the float32 prefill path on CPUs without native bf16.
+LONG_PROMPT = [(5 * i * i + 3) % 48 for i in range(70)] + PROMPT
 
 
 def run(target_model, prompt, params, drafter=None, k=0, eos=-1):
@@ -27,12 +29,13 @@ def make_drafter(kind, draft_model):
     return DraftModelDrafter(loaded(draft_model), draft_model.config.vocab_size, 512)
 
 
+@pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["short", "long"])
 @pytest.mark.parametrize("kind", ["draft_model", "ngram"])
 @pytest.mark.parametrize("k", [1, 3, 5, 8])
-def test_greedy_output_identical_to_plain(target, draft, kind, k):
+def test_greedy_output_identical_to_plain(target, draft, kind, k, prompt):
     params = SamplingParams(temperature=0.0, max_tokens=60)
-    plain = run(target, PROMPT, params)
-    spec = run(target, PROMPT, params, make_drafter(kind, draft), k)
+    plain = run(target, prompt, params)
+    spec = run(target, prompt, params, make_drafter(kind, draft), k)
     assert spec.output_ids == plain.output_ids
     assert spec.text == plain.text
     assert spec.metrics.num_draft_tokens > 0
