@@ -35,7 +35,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from verispec.models import loader
+from verispec.models import gguf_convert, loader
 from verispec.models.decoder import UnsupportedModelError
 from verispec.models.loader import (
     LoadedModel,
@@ -316,8 +316,8 @@ def test_gguf_conversion_is_cached_and_refreshed(tmp_path: Path, monkeypatch: py
     path = _write_gguf(tmp_path / "tiny.gguf")
     first = load_model(path, dtype="float32", progress=False).source
     calls: list[Path] = []
-    real = loader._convert_into
-    monkeypatch.setattr(loader, "_convert_into", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    real = gguf_convert._convert_into
+    monkeypatch.setattr(gguf_convert, "_convert_into", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     again = load_model(path, dtype="float32", progress=False)
     assert again.source == first and calls == []  # straight from the cache
 
@@ -334,7 +334,7 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pyt
     def boom(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loader, "_write_weights", boom)
+    monkeypatch.setattr(gguf_convert, "_write_weights", boom)
     with pytest.raises(KeyboardInterrupt):
         load_model(path, progress=False)
     root = converted_dir(path).parent
@@ -347,8 +347,8 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pyt
 def test_gguf_conversion_in_several_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _write_gguf(tmp_path / "tiny.gguf", "qwen2")
     single = load_model(path, dtype="float32", progress=False)
-    monkeypatch.setattr(loader, "CONVERSION_VERSION", loader.CONVERSION_VERSION + 1000)  # new cache key
-    monkeypatch.setattr(loader, "_SHARD_BYTES", 20_000)
+    monkeypatch.setattr(gguf_convert, "CONVERSION_VERSION", gguf_convert.CONVERSION_VERSION + 1000)  # new cache key
+    monkeypatch.setattr(gguf_convert, "_SHARD_BYTES", 20_000)
     sharded = load_model(path, dtype="float32", progress=False)
     assert (sharded.source / "model.safetensors.index.json").is_file()
     assert len(list(sharded.source.glob("model-*-of-*.safetensors"))) > 1

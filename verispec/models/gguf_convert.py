@@ -1,0 +1,677 @@
+"""Convert a GGUF file into a cached Hugging Face model directory.
+
+A GGUF file is converted once into a Hugging Face directory under
+``verispec_home()/converted/<stem>-<fingerprint>/`` (:func:`converted_dir`), which
+:func:`verispec.models.loader.load_hf_dir` then loads. The fingerprint hashes the file's size,
+modification time and absolute path (plus :data:`CONVERSION_VERSION`), so a changed file gets a
+fresh conversion without hashing gigabytes.
+
+The header is parsed by a small reader in this module. It is cheap (well under a second even
+with a 150k-token vocabulary, where ``gguf.GGUFReader`` needs ~15 s), checks that every tensor
+lies inside the file, so a truncated or corrupt file fails fast with a clear message, and lets an
+unsupported architecture be rejected before any slow work. ``config.json`` is built from the
+metadata the way llama.cpp reads it (:func:`gguf_hf_config`); tensors are dequantized with the
+``gguf`` package, renamed with gguf-py's tensor-name tables and, for Llama, llama.cpp's Q/K row
+interleave is undone. The tokenizer is transformers' own GGUF tokenizer
+(``AutoTokenizer.from_pretrained(..., gguf_file=...)``) with the chat template from the
+metadata; it is the slow step (transformers parses the whole vocabulary twice).
+
+Storage precision: matrices are stored in bfloat16 and vectors (norm weights, biases, which
+GGUF keeps in float32) in float32. Dequantized Q4/Q5/Q6/Q8 values are not exactly
+representable in bfloat16, so the converted model differs from the GGUF by bfloat16 rounding
+of each weight (relative error <= 2^-8, far below the quantization error itself; on
+SmolLM2-135M Q4_1 it moves float32 logits by at most ~0.3). bfloat16 is also verispec's default
+compute dtype on CPU, which rounds the same way, so nothing is lost there; a float32 load
+computes exactly with the rounded weights, and ``transformers`` loading the converted directory
+sees the very same weights.
+
+Not converted (clear errors instead): architectures other than llama/qwen2, mixture-of-experts
+models, split GGUF files, RoPE scaling other than linear and per-dimension ``rope_freqs``
+factors (Llama 3.1+).
+
+The conversion is written into a temporary directory next to the cache entry and moved into
+place with one :func:`os.replace`, under a per-entry file lock, so an interrupted conversion
+never leaves a half-written cache and two processes never convert the same file twice.
+
+Errors are :class:`~verispec.models.errors.ModelLoadError` and its subclasses
+(:class:`~verispec.models.errors.CorruptGGUFError` for an unreadable file); an architecture
+verispec cannot convert or run raises :class:`~verispec.models.decoder.UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import mmap
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from verispec.models.decoder import SUPPORTED_ARCHITECTURES, UnsupportedModelError
+from verispec.models.errors import CorruptGGUFError, ModelFileNotFoundError, ModelLoadError
+from verispec.models.registry import verispec_home
+from verispec.models.tokenizer import collect_eos_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+try:  # POSIX only; elsewhere concurrent conversions of one file are not serialised.
+    import fcntl
+except ImportError:  # pragma: no cover - exercised on Windows only
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = [
+    "CONVERSION_VERSION",
+    "CorruptGGUFError",
+    "GGUF_ARCHITECTURES",
+    "GGUFHeader",
+    "GGUFTensorInfo",
+    "converted_dir",
+    "convert_gguf",
+    "gguf_hf_config",
+    "read_gguf_header",
+]
+
+# Bumped whenever the layout or content of a converted directory changes; part of the cache key.
+CONVERSION_VERSION = 1
+
+# GGUF ``general.architecture`` values verispec converts, and the HF architecture each becomes.
+# Mistral models are stored as "llama" in GGUF (llama.cpp runs them without a sliding window).
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_SHARD_BYTES = 2 * 1024**3  # converted weights are written in shards of at most this size
+_INDEX_FILE = "model.safetensors.index.json"
+_SOURCE_FILE = "verispec_source.json"  # records which GGUF a converted directory came from
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF header reader
+# ---------------------------------------------------------------------------------------------
+
+_GGUF_MAGIC = b"GGUF"
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+_KEEP_ARRAY_MAX = 64  # longer arrays (vocabularies, merges) are skipped, not decoded
+_MAX_DIMS = 4
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor lives in a GGUF file."""
+
+    name: str
+    shape: tuple[int, ...]  # numpy order (slowest-varying dimension first)
+    ggml_type: int
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """Metadata and tensor directory of a GGUF file (large arrays are not decoded)."""
+
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: tuple[GGUFTensorInfo, ...]
+
+    @property
+    def architecture(self) -> str | None:
+        arch = self.metadata.get("general.architecture")
+        return arch if isinstance(arch, str) else None
+
+
+class _Truncated(Exception):
+    pass
+
+
+class _Cursor:
+    """Sequential little-endian reads from a buffer, failing cleanly at its end."""
+
+    def __init__(self, buf: mmap.mmap, size: int) -> None:
+        self.buf, self.size, self.pos = buf, size, 0
+
+    def take(self, n: int, what: str) -> int:
+        start = self.pos
+        if n < 0 or start + n > self.size:
+            raise _Truncated(f"file ends at byte {self.size} while reading {what} at byte {start}")
+        self.pos = start + n
+        return start
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        start = self.take(struct.calcsize(fmt), what)
+        return struct.unpack_from("<" + fmt, self.buf, start)[0]
+
+    def string(self, what: str) -> str:
+        n = self.scalar("Q", what)
+        start = self.take(n, what)
+        return self.buf[start : start + n].decode("utf-8")
+
+    def value(self, vtype: int, what: str, keep: bool = True) -> Any:
+        if vtype in _SCALAR_FORMATS:
+            fmt = _SCALAR_FORMATS[vtype]
+            if not keep:
+                self.take(struct.calcsize(fmt), what)
+                return None
+            return self.scalar(fmt, what)
+        if vtype == _STRING:
+            if not keep:
+                self.take(self.scalar("Q", what), what)
+                return None
+            return self.string(what)
+        if vtype == _ARRAY:
+            itype = self.scalar("I", what)
+            count = self.scalar("Q", what)
+            if count > self.size:
+                raise ValueError(f"implausible array length {count} in {what}")
+            keep_items = keep and count <= _KEEP_ARRAY_MAX
+            if itype in _SCALAR_FORMATS and not keep_items:
+                self.take(count * struct.calcsize(_SCALAR_FORMATS[itype]), what)
+                return None
+            items = [self.value(itype, what, keep_items) for _ in range(count)]
+            return items if keep_items else None
+        raise ValueError(f"unknown value type {vtype} in {what}")
+
+
+def read_gguf_header(path: str | Path) -> GGUFHeader:
+    """Parse and sanity-check a GGUF file's header without reading tensor data.
+
+    Raises :class:`CorruptGGUFError` for a file that is not GGUF, is truncated (including
+    tensor data that would extend past the end of the file) or is internally inconsistent.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise ModelFileNotFoundError(f"no such file: {path}") from None
+    if size < 24:
+        raise CorruptGGUFError(path, f"the file is only {size} bytes, too short for a GGUF header")
+    try:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            cur = _Cursor(buf, size)
+            magic = bytes(buf[:4])
+            if magic != _GGUF_MAGIC:
+                raise CorruptGGUFError(path, f"bad magic {magic!r}, expected {_GGUF_MAGIC!r}")
+            cur.take(4, "magic")
+            version = cur.scalar("I", "version")
+            if version & 0xFFFF == 0 and version != 0:
+                raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
+            if version in (1, 4, 5, 6, 7, 8):  # a real but unsupported format version
+                raise ModelLoadError(f"{path}: GGUF version {version} is not supported (expected 2 or 3)")
+            if version not in (2, 3):
+                raise CorruptGGUFError(path, f"invalid GGUF version {version} (expected 2 or 3)")
+            n_tensors = cur.scalar("Q", "tensor count")
+            n_kv = cur.scalar("Q", "metadata count")
+            if n_tensors > size or n_kv > size:
+                raise CorruptGGUFError(path, f"implausible counts: {n_tensors} tensors, {n_kv} metadata entries")
+            metadata: dict[str, Any] = {}
+            for i in range(n_kv):
+                key = cur.string(f"metadata key {i}")
+                vtype = cur.scalar("I", f"type of metadata {key!r}")
+                metadata[key] = cur.value(vtype, f"metadata {key!r}")
+            raw_tensors = []
+            for i in range(n_tensors):
+                name = cur.string(f"name of tensor {i}")
+                n_dims = cur.scalar("I", f"tensor {name!r}")
+                if not 1 <= n_dims <= _MAX_DIMS:
+                    raise CorruptGGUFError(path, f"tensor {name!r} has {n_dims} dimensions")
+                dims = [cur.scalar("Q", f"tensor {name!r}") for _ in range(n_dims)]
+                ggml_type = cur.scalar("I", f"tensor {name!r}")
+                offset = cur.scalar("Q", f"tensor {name!r}")
+                raw_tensors.append((name, dims, ggml_type, offset))
+            data_start = cur.pos
+    except _Truncated as exc:
+        raise CorruptGGUFError(path, str(exc)) from None
+    except UnicodeDecodeError:
+        raise CorruptGGUFError(path, "a key or string is not valid UTF-8") from None
+    except (ValueError, struct.error, OverflowError) as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise CorruptGGUFError(path, str(exc)) from None
+
+    alignment = metadata.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise CorruptGGUFError(path, f"invalid general.alignment {alignment!r}")
+    data_start = -(-data_start // alignment) * alignment
+    tensors = []
+    seen: set[str] = set()
+    for name, dims, ggml_type, offset in raw_tensors:
+        if name in seen:
+            raise CorruptGGUFError(path, f"duplicate tensor {name!r}")
+        seen.add(name)
+        try:
+            block, type_size = _quant_size(ggml_type)
+        except (ValueError, KeyError):
+            raise CorruptGGUFError(path, f"tensor {name!r} has unknown type id {ggml_type}") from None
+        if dims[0] % block:
+            raise CorruptGGUFError(path, f"tensor {name!r}: row of {dims[0]} is not a multiple of block {block}")
+        nbytes = math.prod(dims) // block * type_size
+        start = data_start + offset
+        if start + nbytes > size:
+            raise CorruptGGUFError(
+                path, f"tensor {name!r} needs bytes up to {start + nbytes} but the file has only {size}"
+            )
+        tensors.append(GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, start, nbytes))
+    return GGUFHeader(path=path, version=version, metadata=metadata, tensors=tuple(tensors))
+
+
+def _quant_size(ggml_type: int) -> tuple[int, int]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF conversion
+# ---------------------------------------------------------------------------------------------
+
+
+def converted_dir(gguf_path: str | Path) -> Path:
+    """The cache directory a GGUF file converts into (it may not exist yet).
+
+    ``verispec_home()/converted/<stem>-<12 hex>``, the hex being a SHA-256 over the conversion
+    format version, the file's size, modification time (ns) and absolute path.
+    """
+    path = Path(gguf_path).expanduser().resolve()
+    st = path.stat()
+    key = f"v{CONVERSION_VERSION}\0{st.st_size}\0{st.st_mtime_ns}\0{path}"
+    digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+    return verispec_home() / "converted" / f"{path.stem}-{digest[:12]}"
+
+
+def _say(progress: bool, message: str) -> None:
+    if progress:
+        print(f"verispec: {message}", file=sys.stderr, flush=True)
+
+
+def convert_gguf(gguf_path: str | Path, *, progress: bool = True) -> Path:
+    """Convert a GGUF file into a cached Hugging Face directory (once) and return that directory."""
+    path = Path(gguf_path).expanduser().resolve()
+    if not path.is_file():
+        raise ModelFileNotFoundError(f"no such file: {gguf_path}")
+    final = converted_dir(path)
+    if (final / "config.json").is_file():
+        return final
+    header = read_gguf_header(path)  # fails fast on corrupt files and unsupported models
+    rope_scaling = _check_gguf_supported(header)
+    root = final.parent
+    root.mkdir(parents=True, exist_ok=True)
+    with _lock(root / f"{final.name}.lock"):
+        if (final / "config.json").is_file():  # converted by another process while we waited
+            return final
+        partial_prefix = f".{final.name}.partial-"
+        for stale in root.glob(f"{partial_prefix}*"):  # left by an interrupted conversion
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():  # not a complete conversion (no config.json): start over
+            shutil.rmtree(final)
+        tmp = Path(tempfile.mkdtemp(prefix=partial_prefix, dir=root))
+        try:
+            start = time.perf_counter()
+            _say(progress, f"converting {path.name} to a Hugging Face checkpoint (one-time) in {final}")
+            _convert_into(header, rope_scaling, tmp, progress)
+            seconds = time.perf_counter() - start
+            st = path.stat()
+            if converted_dir(path) != final:
+                raise ModelLoadError(f"{path} changed while it was being converted; load it again")
+            (tmp / _SOURCE_FILE).write_text(json.dumps({
+                "gguf_path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                "conversion_version": CONVERSION_VERSION, "seconds": round(seconds, 1),
+            }, indent=2) + "\n", encoding="utf-8")  # fmt: skip
+            _finish_tree(tmp)
+            os.replace(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _fsync_dir(root)
+        _remove_older_conversions(root, final, path)
+    _say(progress, f"converted {path.name} in {seconds:.1f} s")
+    return final
+
+
+def _check_gguf_supported(header: GGUFHeader) -> dict[str, Any] | None:
+    """Reject what verispec cannot convert; return the RoPE scaling to put in config.json."""
+    arch = header.architecture
+    md = header.metadata
+    if arch is None:
+        raise CorruptGGUFError(header.path, "no general.architecture in the metadata")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{header.path}: unsupported GGUF architecture {arch!r}; verispec converts GGUF "
+            f"architectures {', '.join(GGUF_ARCHITECTURES)} (Mistral GGUFs use 'llama') and runs "
+            f"Hugging Face architectures {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    split_count = md.get("split.count")
+    if isinstance(split_count, int) and split_count > 1:
+        raise ModelLoadError(
+            f"{header.path} is part of a split GGUF ({split_count} files); merge the parts into "
+            "one file first (llama.cpp's gguf-split --merge)"
+        )
+    experts = md.get(f"{arch}.expert_count")
+    if isinstance(experts, int) and experts > 0:
+        raise UnsupportedModelError(
+            f"{header.path}: mixture-of-experts models ({arch} with {experts} experts) are not supported"
+        )
+    for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
+        if not isinstance(md.get(f"{arch}.{key}"), int):
+            raise CorruptGGUFError(header.path, f"metadata {arch}.{key} is missing")
+    names = {t.name for t in header.tensors}
+    if "token_embd.weight" not in names:
+        raise CorruptGGUFError(header.path, "there is no token_embd.weight tensor")
+    if "rope_freqs.weight" in names:
+        raise UnsupportedModelError(
+            f"{header.path}: per-dimension RoPE frequency factors (the rope_freqs tensor, as in "
+            "Llama 3.1+ GGUFs) are not supported; load the original Hugging Face checkpoint instead"
+        )
+    scaling = md.get(f"{arch}.rope.scaling.type")
+    if scaling in (None, "none"):
+        return None
+    factor = md.get(f"{arch}.rope.scaling.factor")
+    if scaling == "linear" and isinstance(factor, (int, float)) and factor > 0:
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise UnsupportedModelError(
+        f"{header.path}: RoPE scaling {scaling!r} (factor {factor!r}) is not supported for GGUF "
+        "files; verispec converts unscaled and linear RoPE"
+    )
+
+
+def gguf_hf_config(header: GGUFHeader, rope_scaling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The Hugging Face config fields a GGUF header describes (model_type included).
+
+    Follows llama.cpp's reading of the metadata: ``head_count_kv`` defaults to ``head_count``,
+    the head size to ``embedding_length / head_count``, and the embeddings are tied when there is
+    no ``output.weight`` tensor. The vocabulary size is the embedding's row count.
+    """
+    arch = header.architecture or ""
+    md = header.metadata
+
+    def get(key: str, default: Any = None) -> Any:
+        value = md.get(f"{arch}.{key}")
+        return default if value is None else value
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length", hidden // heads)
+    rotary = get("rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise UnsupportedModelError(
+            f"{header.path}: partial rotary embeddings ({rotary} of {head_dim} dims per head) are not supported"
+        )
+    tensors = {t.name: t for t in header.tensors}
+    cfg: dict[str, Any] = {
+        "model_type": arch,
+        "vocab_size": tensors["token_embd.weight"].shape[0],
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": get("context_length", 4096),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "hidden_act": "silu",
+    }
+    if arch == "llama":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "qwen2":
+        cfg["use_sliding_window"] = False
+        cfg["sliding_window"] = None
+    if rope_scaling is not None:
+        cfg["rope_scaling"] = rope_scaling
+    for gguf_key, hf_key in (("bos", "bos"), ("eos", "eos"), ("padding", "pad")):
+        value = md.get(f"tokenizer.ggml.{gguf_key}_token_id")
+        if isinstance(value, int):
+            cfg[f"{hf_key}_token_id"] = value
+    return cfg
+
+
+def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: Path, progress: bool) -> None:
+    """Write config, generation config, tokenizer and safetensors weights of a GGUF into ``out``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    cfg = gguf_hf_config(header, rope_scaling)
+    hf_tok = _gguf_tokenizer(header)
+    eos = sorted(collect_eos_ids(hf_tok, cfg.get("eos_token_id")))
+    cfg["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    config.architectures = [GGUF_ARCHITECTURES[model_type]]
+    hf_tok.save_pretrained(str(out))
+    config.save_pretrained(str(out))
+    generation = GenerationConfig(bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos,
+                                  pad_token_id=cfg.get("pad_token_id"))  # fmt: skip
+    generation.save_pretrained(str(out))
+
+    # The names and shapes transformers expects, from a weightless (meta) model.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    expected = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
+    del skeleton
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    name_map = _gguf_to_hf_names(header, expected)
+    _write_weights(header, cfg, name_map, expected, out, progress)
+
+
+def _gguf_tokenizer(header: GGUFHeader) -> PreTrainedTokenizerBase:
+    """transformers' tokenizer for a GGUF file, with the chat template from its metadata.
+
+    The file is exposed through a symlink in an empty directory so that no unrelated
+    tokenizer files next to it can leak in.
+    """
+    from transformers import AutoTokenizer
+
+    path = header.path
+    try:
+        with tempfile.TemporaryDirectory(prefix="verispec-gguf-") as tmp:
+            link = Path(tmp) / path.name
+            try:
+                link.symlink_to(path)
+                where = tmp
+            except OSError:  # no symlinks here (e.g. Windows without privileges)
+                where = str(path.parent)
+            hf_tok = AutoTokenizer.from_pretrained(where, gguf_file=path.name, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as exc:
+        raise ModelLoadError(f"could not build the tokenizer of GGUF file {path}: {exc}") from exc
+    template = header.metadata.get("tokenizer.chat_template")
+    if isinstance(template, str) and template and not getattr(hf_tok, "chat_template", None):
+        hf_tok.chat_template = template
+    hf_tok.name_or_path = path.stem
+    return hf_tok
+
+
+def _gguf_to_hf_names(header: GGUFHeader, expected: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face parameter name, from gguf-py's name tables."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = header.architecture
+    arch_id = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+    table = get_tensor_name_map(arch_id, int(header.metadata[f"{arch}.block_count"]))
+    mapping: dict[str, str] = {}
+    for hf_name in expected:
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_base = table.get_name(base)
+        if gguf_base is None:
+            raise ModelLoadError(f"{header.path}: no GGUF tensor name is known for {hf_name}")
+        mapping[f"{gguf_base}.{suffix}"] = hf_name
+    return mapping
+
+
+def _dequantize(data: np.ndarray, info: GGUFTensorInfo, path: Path) -> np.ndarray:
+    """Float32 values of one tensor, in numpy (HF) shape."""
+    from gguf import GGMLQuantizationType, dequantize
+    from gguf.quants import quant_shape_to_byte_shape
+
+    qtype = GGMLQuantizationType(info.ggml_type)
+    raw = data[info.offset : info.offset + info.nbytes]
+    try:
+        return dequantize(raw.reshape(quant_shape_to_byte_shape(info.shape, qtype)), qtype)
+    except NotImplementedError as exc:
+        raise ModelLoadError(
+            f"{path}: tensor {info.name!r} is stored as {qtype.name}, which cannot be dequantized ({exc})"
+        ) from exc
+
+
+def _unpermute_rotary(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo the row interleave llama.cpp applies to Llama's q/k projections.
+
+    llama.cpp's converter reorders each head's rows from HF's rotate-half layout into
+    interleaved pairs: ``w.reshape(n_head, 2, d // 2, ...).swapaxes(1, 2)``. This is the inverse.
+    """
+    rows = weights.shape[0]
+    return weights.reshape(n_head, rows // n_head // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def _write_weights(
+    header: GGUFHeader,
+    cfg: Mapping[str, Any],
+    name_map: Mapping[str, str],
+    expected: Mapping[str, tuple[int, ...]],
+    out: Path,
+    progress: bool,
+) -> None:
+    """Dequantize every tensor and write HF-named safetensors shards into ``out``."""
+    from safetensors.torch import save_file
+
+    permute_heads = {}
+    if header.architecture == "llama":  # llama.cpp permutes q/k rows for Llama only
+        permute_heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    data = np.memmap(header.path, dtype=np.uint8, mode="r")
+    shards: list[list[str]] = []
+    current: dict[str, Tensor] = {}
+    current_bytes = total_bytes = 0
+    unmapped: list[str] = []
+
+    def flush() -> None:
+        nonlocal current, current_bytes
+        save_file(current, str(out / f"shard-{len(shards):05d}.partial"), metadata={"format": "pt"})
+        shards.append(list(current))
+        current, current_bytes = {}, 0
+
+    bar = tqdm(total=sum(t.nbytes for t in header.tensors), desc=f"dequantizing {header.path.name}",
+               unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)  # fmt: skip
+    with bar:
+        for info in header.tensors:
+            hf_name = name_map.get(info.name)
+            if hf_name is None:
+                unmapped.append(info.name)
+                bar.update(info.nbytes)
+                continue
+            array = _dequantize(data, info, header.path)
+            kind = info.name.split(".")[-2] if info.name.count(".") >= 2 else ""
+            if kind in permute_heads:
+                array = _unpermute_rotary(array, permute_heads[kind])
+            if array.dtype != np.float32 or not array.flags.c_contiguous or not array.flags.writeable:
+                array = np.array(array, dtype=np.float32)  # an own, contiguous copy (not the mmap)
+            storage = torch.bfloat16 if array.ndim >= 2 else torch.float32
+            tensor = torch.from_numpy(array).to(storage)
+            if tuple(tensor.shape) != expected[hf_name]:
+                raise ModelLoadError(
+                    f"{header.path}: tensor {info.name!r} ({hf_name}) has shape {tuple(tensor.shape)}, "
+                    f"the model config implies {expected[hf_name]}"
+                )
+            nbytes = tensor.numel() * tensor.element_size()
+            if current and current_bytes + nbytes > _SHARD_BYTES:
+                flush()
+            current[hf_name] = tensor
+            current_bytes += nbytes
+            total_bytes += nbytes
+            bar.update(info.nbytes)
+        if current:
+            flush()
+    del data
+
+    written = {name for shard in shards for name in shard}
+    missing = sorted(set(expected) - written)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{header.path}: the GGUF has no tensor for {shown}")
+    if unmapped:
+        warnings.warn(
+            f"{header.path.name}: ignored {len(unmapped)} GGUF tensor(s) with no Hugging Face "
+            f"counterpart: {', '.join(unmapped[:5])}",
+            stacklevel=3,
+        )
+    if len(shards) == 1:
+        os.replace(out / "shard-00000.partial", out / "model.safetensors")
+        return
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        final_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(out / f"shard-{i:05d}.partial", out / final_name)
+        weight_map.update({name: final_name for name in names})
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / _INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def _lock(lock_path: Path) -> Iterator[None]:
+    """Serialise conversions of one file across processes (no-op where ``fcntl`` is missing)."""
+    if fcntl is None:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(lock_path, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _finish_tree(directory: Path) -> None:
+    """Give a freshly written directory ordinary permissions and flush it to disk.
+
+    ``mkdtemp`` (and safetensors) create private files; the cache is an ordinary directory
+    (``rwxr-xr-x`` / ``rw-r--r--``, like other download caches).
+    """
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make renames in ``directory`` durable where the platform allows it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_older_conversions(root: Path, keep: Path, gguf_path: Path) -> None:
+    """Delete earlier conversions of the same GGUF path (made before the file last changed)."""
+    for other in root.glob(f"{gguf_path.stem}-*"):
+        if other == keep or not other.is_dir():
+            continue
+        try:
+            source = json.loads((other / _SOURCE_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(source, dict) and source.get("gguf_path") == str(gguf_path):
+            shutil.rmtree(other, ignore_errors=True)
