@@ -87,3 +87,12 @@ def test_same_seed_same_sample(target, draft):
             d = make_drafter(drafter_kind, draft) if drafter_kind else None
             outs.append(run(target, PROMPT, params, d, 4 if d else 0).output_ids)
         assert outs[0] == outs[1]
+
+
+def test_full_context_ends_with_length(target, draft):
+    spec = SpeculativeConfig(method="given", num_speculative_tokens=4)
+    for drafter in (None, make_drafter("draft_model", draft)):
+        engine = Engine(loaded(target), spec if drafter else None, max_model_len=24, drafter=drafter)
+        seq = engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=100))
+        assert seq.finish_reason == "length"
+        assert len(PROMPT) + len(seq.output_ids) == 24 + 1  # the last token needs no cache entry

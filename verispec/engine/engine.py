@@ -93,6 +93,9 @@ class Engine:
 
     def step(self, seq: Sequence) -> str:
         """One round: propose → verify → accept → commit. Returns the new text."""
+        if self.cache.length(seq.slot) + 1 > self.max_model_len:
+            seq.finish_reason = "length"  # the context is full, as in vLLM
+            return ""
         t0 = time.perf_counter()
         proposal = self._propose(seq)
         t1 = time.perf_counter()

@@ -78,7 +78,10 @@ class DraftModelDrafter:
         return Proposal(tokens, torch.stack(probs) if probs else None)
 
     def feedback(self, seq: Sequence, outcome: Outcome) -> None:
-        start, k = self._round_start.pop(seq.slot)
+        round_start = self._round_start.pop(seq.slot, None)
+        if round_start is None:
+            return  # the engine asked for no drafts this round; the next propose catches up
+        start, k = round_start
         self.cache.truncate(seq.slot, start + min(outcome.num_accepted, k - 1))
 
     def finish(self, seq: Sequence) -> None:
