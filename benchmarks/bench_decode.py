@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import log, machine_load  # benchmarks/common.py
 
 DEFAULT_PROMPT = (
     "Write a Python function that returns the n-th Fibonacci number using memoization, "
@@ -81,20 +82,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.bandwidth_gib <= 0 or args.bandwidth_trials < 1:
         p.error("--bandwidth-gib must be > 0 and --bandwidth-trials >= 1")
     return args
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def machine_load(threads: int) -> float:
-    """The 1-minute load average; warns when other work is likely to disturb the timings."""
-    load = os.getloadavg()[0]
-    if load > 0.5:
-        log(f"warning: 1-minute load average is {load:.2f} before the benchmark starts; other "
-            f"processes compete for the {os.cpu_count()} CPUs and the timings ({threads} threads) "
-            "will be noisy -- prefer a quiet machine")
-    return load
 
 
 # ---------------------------------------------------------------------------------------------

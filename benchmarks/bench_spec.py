@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import log, machine_load  # benchmarks/common.py
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared/data/spec_bench/question.jsonl"
@@ -131,20 +132,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.questions.is_file():
         p.error(f"question file not found: {args.questions}. Pass --questions PATH to Spec-Bench's question.jsonl")
     return args
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def machine_load(threads: int) -> float:
-    """The 1-minute load average; warns when other work is likely to disturb the timings."""
-    load = os.getloadavg()[0]
-    if load > 0.5:
-        log(f"warning: 1-minute load average is {load:.2f} before the benchmark starts; other "
-            f"processes compete for the {os.cpu_count()} CPUs and the timings ({threads} threads) "
-            "will be noisy -- prefer a quiet machine")
-    return load
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ a message that names the bad field and the accepted range.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,6 @@ verispec cannot convert or run raises :class:`~verispec.models.decoder.Unsupport
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -52,7 +51,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +61,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from verispec.models.files import file_lock, fsync_dir
 from verispec.models.decoder import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from verispec.models.errors import CorruptGGUFError, ModelFileNotFoundError, ModelLoadError
 from verispec.models.registry import verispec_home
@@ -69,11 +69,6 @@ from verispec.models.tokenizer import collect_eos_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-try:  # POSIX only; elsewhere concurrent conversions of one file are not serialised.
-    import fcntl
-except ImportError:  # pragma: no cover - exercised on Windows only
-    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
     "CONVERSION_VERSION",
@@ -311,7 +306,7 @@ def convert_gguf(gguf_path: str | Path, *, progress: bool = True) -> Path:
     rope_scaling = _check_gguf_supported(header)
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    with _lock(root / f"{final.name}.lock"):
+    with file_lock(root / f"{final.name}.lock"):
         if (final / "config.json").is_file():  # converted by another process while we waited
             return final
         partial_prefix = f".{final.name}.partial-"
@@ -337,7 +332,7 @@ def convert_gguf(gguf_path: str | Path, *, progress: bool = True) -> Path:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_dir(root)
+        fsync_dir(root)
         _remove_older_conversions(root, final, path)
     _say(progress, f"converted {path.name} in {seconds:.1f} s")
     return final
@@ -621,20 +616,6 @@ def _write_weights(
     (out / _INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
-@contextlib.contextmanager
-def _lock(lock_path: Path) -> Iterator[None]:
-    """Serialise conversions of one file across processes (no-op where ``fcntl`` is missing)."""
-    if fcntl is None:  # pragma: no cover - non-POSIX
-        yield
-        return
-    with open(lock_path, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
 def _finish_tree(directory: Path) -> None:
     """Give a freshly written directory ordinary permissions and flush it to disk.
 
@@ -647,21 +628,7 @@ def _finish_tree(directory: Path) -> None:
             path.chmod(0o644)
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make renames in ``directory`` durable where the platform allows it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(directory)
 
 
 def _remove_older_conversions(root: Path, keep: Path, gguf_path: Path) -> None:

@@ -22,7 +22,6 @@ bundled model name, a local Hugging Face model directory or a local ``.gguf`` fi
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import hashlib
 import os
@@ -33,16 +32,13 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from tqdm import tqdm
 
-try:  # POSIX only; elsewhere concurrent fetches of one model are simply not serialised.
-    import fcntl
-except ImportError:  # pragma: no cover - exercised on Windows only
-    fcntl = None  # type: ignore[assignment]
+from verispec.models.files import file_lock, fsync_dir
 
 __all__ = [
     "BUNDLED_MODELS",
@@ -259,34 +255,6 @@ def _tmp_prefix(name: str) -> str:
     return f"{name}.download-"
 
 
-@contextlib.contextmanager
-def _fetch_lock(lock_path: pathlib.Path) -> Iterator[None]:
-    """Serialise fetches of one model across processes (no-op where ``fcntl`` is missing)."""
-    if fcntl is None:  # pragma: no cover - non-POSIX
-        yield
-        return
-    with open(lock_path, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-def _fsync_dir(directory: pathlib.Path) -> None:
-    """Make a rename in ``directory`` durable where the platform allows it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _assemble(
     model: BundledModel, partial: pathlib.Path, tmp_root: pathlib.Path, progress: bool
 ) -> str:
@@ -343,7 +311,7 @@ def fetch(name: str, *, progress: bool = True, force: bool = False) -> pathlib.P
     tmp_root.mkdir(parents=True, exist_ok=True)
     partial = final.with_name(final.name + ".partial")
 
-    with _fetch_lock(final.with_name(final.name + ".lock")):
+    with file_lock(final.with_name(final.name + ".lock")):
         if final.is_file() and not force:  # another process finished it while we waited
             return final
         # Holding the lock, anything left under this model's temp prefix is from a dead fetch.
@@ -361,7 +329,7 @@ def fetch(name: str, *, progress: bool = True, force: bool = False) -> pathlib.P
         except BaseException:
             partial.unlink(missing_ok=True)
             raise
-        _fsync_dir(models_dir)
+        fsync_dir(models_dir)
     return final
 
 
