@@ -101,8 +101,8 @@ class Engine:
         t1 = time.perf_counter()
         verified = self._verify(seq, proposal)
         t2 = time.perf_counter()
-        committed, text = self._accept(seq, proposal, verified)
-        self._commit(seq, proposal, verified, committed)
+        outcome, text = self._accept(seq, proposal, verified)
+        self._commit(seq, verified, outcome)
         t3 = time.perf_counter()
         m = seq.metrics
         m.draft_time_s += t1 - t0
@@ -174,16 +174,15 @@ class Engine:
         draft_probs = None if proposal.probs is None else proposal.probs[None]  # [1, n, V]
         return verify_stochastic(draft, draft_probs, target_probs, seq.generator)
 
-    def _accept(self, seq: Sequence, proposal: Proposal, verified: Verified) -> tuple[list[int], str]:
+    def _accept(self, seq: Sequence, proposal: Proposal, verified: Verified) -> tuple[Outcome, str]:
         committed, text = seq.append(verified.result.committed(0))
-        num_accepted = int(verified.result.num_accepted[0])
-        seq.metrics.record_round(len(proposal), num_accepted, len(committed))
-        return committed, text
+        outcome = Outcome(len(proposal), int(verified.result.num_accepted[0]), committed)
+        seq.metrics.record_round(outcome.num_proposed, outcome.num_accepted, len(committed))
+        return outcome, text
 
-    def _commit(self, seq: Sequence, proposal: Proposal, verified: Verified, committed: list[int]) -> None:
+    def _commit(self, seq: Sequence, verified: Verified, outcome: Outcome) -> None:
         # The pass wrote t, d_1..d_n; keep t and the accepted drafts (the last committed token's
         # K/V is written next round).
-        self.cache.truncate(seq.slot, verified.cache_start + len(committed))
+        self.cache.truncate(seq.slot, verified.cache_start + len(outcome.committed))
         if self.drafter is not None and not seq.finished:
-            outcome = Outcome(len(proposal), int(verified.result.num_accepted[0]), committed)
             self.drafter.feedback(seq, outcome)

@@ -1,11 +1,15 @@
-"""Small file-system helpers shared by the model fetcher and the GGUF converter."""
+"""Small file-system helpers shared by the model fetcher, loader and GGUF converter."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+from verispec.models.errors import ModelLoadError
 
 try:  # POSIX only; elsewhere concurrent writers of one cache entry are not serialised.
     import fcntl
@@ -39,3 +43,14 @@ def fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; a clear :class:`ModelLoadError` if it is not one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} should hold a JSON object, found {type(data).__name__}")
+    return data

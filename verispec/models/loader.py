@@ -25,7 +25,6 @@ the problem; missing files raise :class:`ModelFileNotFoundError`, which is also 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import torch
 from torch import Tensor
 
 from verispec.models.decoder import Decoder, DecoderConfig, UnsupportedModelError
+from verispec.models.files import read_json_object
 from verispec.models.errors import CorruptGGUFError, ModelFileNotFoundError, ModelLoadError
 from verispec.models.gguf_convert import (
     _INDEX_FILE,
@@ -218,7 +218,7 @@ def load_hf_dir(
         raise ModelFileNotFoundError(
             f"{directory} is not a Hugging Face model directory: config.json is missing"
         )
-    hf_config = _read_json_object(config_path)
+    hf_config = read_json_object(config_path)
     try:
         config = DecoderConfig.from_hf(hf_config)
     except UnsupportedModelError as exc:
@@ -239,21 +239,11 @@ def load_hf_dir(
                        name=name or directory.resolve().name)  # fmt: skip
 
 
-def _read_json_object(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} should hold a JSON object, found {type(data).__name__}")
-    return data
-
-
 def _weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a model directory, single-file or sharded."""
     index = directory / _INDEX_FILE
     if index.is_file():
-        weight_map = _read_json_object(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError(f"{index} has no 'weight_map'")
         files = [directory / name for name in sorted(set(weight_map.values()))]

@@ -16,10 +16,11 @@ End-of-generation ids (:attr:`Tokenizer.eos_token_ids`) are the union of
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from verispec.models.files import read_json_object
 
 if TYPE_CHECKING:  # importing transformers is slow; only the loader needs it at run time
     from transformers import PreTrainedTokenizerBase
@@ -86,8 +87,8 @@ class Tokenizer:
 
         directory = Path(directory)
         if hf_config is None:
-            hf_config = _read_json(directory / "config.json") or {}
-        generation = _read_json(directory / "generation_config.json") or {}
+            hf_config = _read_json_if_present(directory / "config.json")
+        generation = _read_json_if_present(directory / "generation_config.json")
         hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         eos = collect_eos_ids(hf, hf_config.get("eos_token_id"), generation.get("eos_token_id"))
         return cls(hf, eos)
@@ -176,14 +177,6 @@ def _messages(prompt: str | Sequence[Mapping[str, Any]], system: str | None) -> 
     return messages
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    """The JSON object in ``path``, or None if the file does not exist."""
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} should hold a JSON object, found {type(data).__name__}")
-    return data
+def _read_json_if_present(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``, or ``{}`` if the file does not exist."""
+    return read_json_object(path) if path.is_file() else {}
