@@ -55,7 +55,10 @@ class SpeculativeConfig:
     """vLLM-compatible speculative decoding settings (``--speculative-config`` JSON).
 
     ``method`` picks a drafter from :mod:`verispec.spec.registry`; the drafter reads the
-    fields it needs and ignores the rest.
+    fields it needs and ignores the rest. With ``adaptive`` (the default) the controller of
+    :mod:`verispec.spec.controller` picks k per request and round, and
+    ``num_speculative_tokens`` is the most it may pick; ``adaptive: false`` drafts exactly
+    ``num_speculative_tokens`` every round.
     """
 
     method: str
@@ -63,8 +66,11 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):

@@ -27,7 +27,7 @@ def models():
 def draft_model_engine(target, draft) -> Engine:
     vocab = target.config.vocab_size
     drafter = DraftModelDrafter(loaded(draft), vocab, 64)
-    return Engine(loaded(target), SpeculativeConfig(method="draft_model", num_speculative_tokens=K),
+    return Engine(loaded(target), SpeculativeConfig(method="draft_model", num_speculative_tokens=K, adaptive=False),
                   max_model_len=64, drafter=drafter)
 
 

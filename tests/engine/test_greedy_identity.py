@@ -18,7 +18,7 @@ LONG_PROMPT = [(5 * i * i + 3) % 48 for i in range(70)] + PROMPT
 
 
 def run(target_model, prompt, params, drafter=None, k=0, eos=-1):
-    spec = SpeculativeConfig(method="given", num_speculative_tokens=k) if k else None
+    spec = SpeculativeConfig(method="given", num_speculative_tokens=k, adaptive=False) if k else None
     engine = Engine(loaded(target_model, eos=eos), spec, max_model_len=512, drafter=drafter)
     return engine.generate(prompt, params)
 
@@ -90,7 +90,7 @@ def test_same_seed_same_sample(target, draft):
 
 
 def test_full_context_ends_with_length(target, draft):
-    spec = SpeculativeConfig(method="given", num_speculative_tokens=4)
+    spec = SpeculativeConfig(method="given", num_speculative_tokens=4, adaptive=False)
     for drafter in (None, make_drafter("draft_model", draft)):
         engine = Engine(loaded(target), spec if drafter else None, max_model_len=24, drafter=drafter)
         seq = engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=100))

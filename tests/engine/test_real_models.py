@@ -22,11 +22,11 @@ def test_smollm2_ngram_and_self_draft_identical(smollm):
     for text in PROMPTS:
         ids = prompt_ids(smollm, text)
         plain = Engine(smollm, max_model_len=MAX_MODEL_LEN).generate(ids, GREEDY)
-        ngram = Engine(smollm, SpeculativeConfig(method="ngram", num_speculative_tokens=5),
+        ngram = Engine(smollm, SpeculativeConfig(method="ngram", num_speculative_tokens=5, adaptive=False),
                        max_model_len=MAX_MODEL_LEN).generate(ids, GREEDY)
         # SmolLM2 drafting for itself: every draft should be accepted.
         drafter = DraftModelDrafter(smollm, smollm.model.config.vocab_size, MAX_MODEL_LEN)
-        self_draft = Engine(smollm, SpeculativeConfig(method="draft_model", num_speculative_tokens=4),
+        self_draft = Engine(smollm, SpeculativeConfig(method="draft_model", num_speculative_tokens=4, adaptive=False),
                             max_model_len=MAX_MODEL_LEN, drafter=drafter).generate(ids, GREEDY)
         assert ngram.output_ids == plain.output_ids
         assert self_draft.output_ids == plain.output_ids
@@ -36,7 +36,7 @@ def test_smollm2_ngram_and_self_draft_identical(smollm):
 def test_qwen_coder_1_5b_with_0_5b_draft_identical(qwen_target, qwen_draft, qwen_plain):
     target = qwen_target
     drafter = DraftModelDrafter(qwen_draft, target.model.config.vocab_size, MAX_MODEL_LEN)
-    spec_engine = Engine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=4),
+    spec_engine = Engine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=4, adaptive=False),
                          max_model_len=MAX_MODEL_LEN, drafter=drafter)
     accepted = 0
     for text in PROMPTS:

@@ -9,11 +9,11 @@ output as long as the decoder is batch invariant (see :mod:`verispec.models.deco
 One round for a sequence whose target cache holds ``L`` positions (every committed token but
 the last, ``t``)::
 
-    propose  drafter -> d_1..d_n                       (n <= k)
+    propose  controller -> k; drafter -> d_1..d_n      (n <= k)
     verify   target([t, d_1..d_n] at positions L..L+n) -> p_1..p_{n+1}; verification keeps
              a <= n drafts and adds one recovered-or-bonus token x
     accept   commit d_1..d_a, x, stopping early on EOS / stop string / max_tokens
-    commit   roll the target cache back to L + 1 + a; tell the drafter the outcome
+    commit   roll the target cache back to L + 1 + a; tell the drafter and the controller
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from verispec.detokenize import IncrementalDetokenizer
 from verispec.engine.sequence import Sequence
 from verispec.sampling import logits_to_probs, make_generator
 from verispec.spec.base import EMPTY_PROPOSAL, Drafter, DrafterContext, Outcome, Proposal, build_drafter
+from verispec.spec.controller import Controller, RoundReport, build_controller
 from verispec.spec.metrics import SpecMetrics
 from verispec.spec.verify import VerifyResult, verify_greedy, verify_stochastic
 
@@ -51,7 +52,9 @@ class Engine:
         speculative: which drafter to use; ``None`` for plain decoding.
         max_model_len: prompt + output positions the KV cache holds.
         drafter: an already built drafter, instead of building one from ``speculative``
-            (which then only supplies ``num_speculative_tokens``).
+            (which then only supplies ``num_speculative_tokens`` and ``adaptive``).
+        controller: chooses k each round (at most ``num_speculative_tokens``); by default the
+            one ``speculative.adaptive`` asks for.
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class Engine:
         *,
         max_model_len: int = 4096,
         drafter: Drafter | None = None,
+        controller: Controller | None = None,
     ) -> None:
         self.target = target
         self.model = target.model
@@ -70,6 +74,7 @@ class Engine:
         if drafter is None and speculative is not None:
             drafter = build_drafter(speculative, DrafterContext(target, self.max_model_len))
         self.drafter = drafter
+        self.controller = controller or build_controller(speculative)
         self.metrics = SpecMetrics()  # aggregated over all requests
 
     # ---- public API --------------------------------------------------------------------------
@@ -108,6 +113,8 @@ class Engine:
         m.draft_time_s += t1 - t0
         m.verify_time_s += t2 - t1
         m.other_time_s += t3 - t2
+        report = RoundReport(outcome.num_proposed, outcome.num_accepted, len(outcome.committed), t1 - t0, t2 - t1)
+        self.controller.observe(seq, report)
         return text
 
     # ---- phases ------------------------------------------------------------------------------
@@ -148,9 +155,14 @@ class Engine:
         )
         if self.drafter is None or room <= 0:
             return EMPTY_PROPOSAL
-        proposal = self.drafter.propose(seq, room)
-        if len(proposal) > room:
-            raise RuntimeError(f"drafter proposed {len(proposal)} tokens, more than the {room} asked for")
+        k = self.controller.choose_k(seq, room)
+        if not 0 <= k <= room:
+            raise RuntimeError(f"the controller chose k={k}, outside 0..{room}")
+        if k == 0:
+            return EMPTY_PROPOSAL
+        proposal = self.drafter.propose(seq, k)
+        if len(proposal) > k:
+            raise RuntimeError(f"drafter proposed {len(proposal)} tokens, more than the {k} asked for")
         return proposal
 
     def _verify(self, seq: Sequence, proposal: Proposal) -> Verified:

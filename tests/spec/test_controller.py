@@ -1,0 +1,186 @@
+"""The speedup formula on hand-computed values, and the adaptive controller on synthetic streams.
+
+The synthetic world: a verify pass over n positions takes t1 * (1 + alpha * (n - 1)) seconds,
+drafting costs c * t1 per token, and draft i survives with probability p (given the ones before
+it survived). The controller sees only what the engine would report.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from verispec.spec.controller import (
+    AdaptiveController,
+    CostModel,
+    RoundReport,
+    alpha_at_batch,
+    expected_tokens,
+    linear_verify_cost,
+    speedups,
+)
+
+T1 = 0.3  # seconds per plain step
+
+
+class Request:
+    """Stands in for an engine sequence (the controller keys per-request state on it)."""
+
+    idle = True  # the drafter has not drafted yet (or not since the last plain round)
+
+
+def simulate_round(controller, seq, k_max, p, alpha, c, rng, catch_up_s=0.0):
+    """One round; returns (k, seconds, tokens committed). ``catch_up_s``: a drafter that has to
+    re-read what it missed pays that much on its first draft after plain rounds."""
+    k = controller.choose_k(seq, k_max)
+    accepted = 0
+    while accepted < k and rng.random() < p:
+        accepted += 1
+    draft_s = k * c * T1 + (catch_up_s if k and seq.idle else 0.0)
+    seq.idle = k == 0
+    verify_s = T1 * (1 + alpha * k)
+    controller.observe(seq, RoundReport(k, accepted, accepted + 1, draft_s, verify_s))
+    return k, draft_s + verify_s, accepted + 1
+
+
+def run_phase(controller, seq, rounds, p, alpha=0.1, c=0.0, k_max=8, seed=0, catch_up_s=0.0):
+    rng = random.Random(seed)
+    return [simulate_round(controller, seq, k_max, p, alpha, c, rng, catch_up_s) for _ in range(rounds)]
+
+
+def ks(rounds):
+    return [k for k, _, _ in rounds]
+
+
+def slowdown(rounds):
+    """Time taken over the time plain decoding needs for the same tokens (1.0 = plain)."""
+    return sum(s for _, s, _ in rounds) / (T1 * sum(n for _, _, n in rounds))
+
+
+# ---- the formula ---------------------------------------------------------------------------
+
+
+def test_expected_tokens_hand_computed():
+    assert expected_tokens([0.8], 0) == 1.0
+    assert expected_tokens([0.8], 2) == pytest.approx(1 + 0.8 + 0.64)
+    assert expected_tokens([0.8, 0.5], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+    assert expected_tokens([1.0], 5) == 6.0
+
+
+def test_speedup_hand_computed_and_peak_for_p08_alpha01():
+    s = speedups([0.8], 0.0, linear_verify_cost(0.1, 10))
+    assert s[0] == 1.0
+    assert s[1] == pytest.approx(1.8 / 1.1)
+    assert s[4] == pytest.approx((1 + 0.8 + 0.64 + 0.512 + 0.4096) / 1.4)
+    best = max(range(len(s)), key=s.__getitem__)
+    assert best == 6 and 6 <= best <= 8  # the issue's "peak near N = 6-8"
+    assert s[6] == pytest.approx((1 - 0.8 ** 7) / 0.2 / 1.6)
+
+
+def test_draft_cost_and_ceiling():
+    # c = 0.4, alpha = 0.6 (a bf16 draft model on a CPU): speculation never pays at p = 0.7.
+    s = speedups([0.7], 0.4, linear_verify_cost(0.6, 8))
+    assert max(s[1:]) < 1.0
+    assert s[1] == pytest.approx(1.7 / (0.4 + 1.6))
+    # Perfect acceptance and a free drafter approach the 1/alpha ceiling from below.
+    far = speedups([1.0], 0.0, linear_verify_cost(0.1, 1000))
+    assert far[1000] < 10.0 and far[1000] > 9.9
+
+
+def test_alpha_grows_toward_one_with_batch_size():
+    assert alpha_at_batch(0.1, 1) == pytest.approx(0.1)
+    assert alpha_at_batch(0.1, 10) == pytest.approx(1.0 / 1.9)
+    assert 0.99 < alpha_at_batch(0.1, 10_000) < 1.0
+
+
+@pytest.mark.parametrize("bad", [lambda: speedups([1.2], 0, [1.0, 1.1]), lambda: speedups([0.5], -1, [1.0]),
+                                 lambda: expected_tokens([], 2), lambda: linear_verify_cost(-0.1, 3)])
+def test_bad_inputs_are_clear_errors(bad):
+    with pytest.raises(ValueError):
+        bad()
+
+
+# ---- the cost model ------------------------------------------------------------------------
+
+
+def test_cost_model_interpolates_and_extrapolates_a_line():
+    costs = CostModel()
+    for n in (1, 2, 4):
+        costs.observe_target(n, 2.0 + 0.5 * n)
+    assert costs.target_time(4) == pytest.approx(4.0)  # measured
+    assert costs.target_time(3) == pytest.approx(3.5)  # interpolated
+    assert costs.target_time(8) == pytest.approx(6.0)  # extrapolated
+    c, verify = costs.relative(3)
+    assert c == 0.0 and verify == pytest.approx([1.0, 3.0 / 2.5, 3.5 / 2.5, 4.0 / 2.5])
+
+
+def test_cost_model_needs_t1_and_uses_the_prior_slope_with_one_point():
+    costs = CostModel(prior_alpha=0.1)
+    assert costs.relative(4) is None
+    costs.observe_target(1, 1.0)
+    costs.observe_draft(4, 0.8)
+    c, verify = costs.relative(2)
+    assert c == pytest.approx(0.2) and verify == pytest.approx([1.0, 1.1, 1.2])
+
+
+# ---- the controller on synthetic streams ---------------------------------------------------
+
+
+def test_first_round_measures_plain_decoding():
+    controller = AdaptiveController()
+    assert controller.choose_k(Request(), 8) == 0
+
+
+@pytest.mark.parametrize(("p", "alpha", "c"), [(0.8, 0.1, 0.0), (0.9, 0.2, 0.05), (0.6, 0.05, 0.02)])
+def test_converges_to_the_optimum_of_a_known_cost_model(p, alpha, c):
+    true = speedups([p], c, linear_verify_cost(alpha, 8))
+    best = max(range(9), key=true.__getitem__)
+    late = ks(run_phase(AdaptiveController(), Request(), 600, p, alpha, c))[200:]
+    achieved = sum(true[k] for k in late) / len(late)
+    typical = sorted(late)[len(late) // 2]
+    print(f"p={p} alpha={alpha} c={c}: optimum k={best} ({true[best]:.3f}x); late median k={typical}, "
+          f"range {min(late)}..{max(late)}, expected speedup of the choices {achieved:.3f}x")
+    assert achieved > 0.93 * true[best]
+    assert abs(typical - best) <= 2
+
+
+def test_stays_plain_when_speculation_cannot_pay():
+    # The draft model of a compute-bound CPU: c = 0.4, alpha = 0.6, p = 0.7 (best k > 0: 0.85x).
+    rounds = run_phase(AdaptiveController(), Request(), 300, 0.7, alpha=0.6, c=0.4)
+    assert sum(k > 0 for k in ks(rounds)[20:]) < 0.2 * 280
+    assert slowdown(rounds[20:]) < 1.03
+
+
+def test_turns_off_when_acceptance_collapses_and_comes_back():
+    controller = AdaptiveController()
+    seq = Request()
+    on = run_phase(controller, seq, 150, 0.9, seed=1)
+    assert all(k > 0 for k in ks(on)[50:])
+    off = run_phase(controller, seq, 300, 0.0, seed=2)
+    assert ks(off)[10:].count(0) > 0.7 * 290  # mostly plain rounds within a few rounds
+    assert any(k > 0 for k in ks(off)[10:])  # but it keeps probing
+    assert slowdown(off[10:]) < 1.035  # probes cost about the 3% budget
+    back = ks(run_phase(controller, seq, 150, 0.9, seed=3))
+    first_on = next(i for i in range(len(back)) if all(k > 0 for k in back[i:i + 20]))
+    print(f"slowdown while off {slowdown(off[10:]):.3f}; speculating steadily again after {first_on} rounds")
+    assert first_on <= 30
+
+
+def test_expensive_catch_up_makes_probes_rare():
+    """A drafter that must re-read idle tokens pays for it; the budget spaces probes out."""
+    probes = []
+    for catch_up in (0.0, 5 * T1):
+        seq = Request()
+        rounds = run_phase(AdaptiveController(), seq, 1000, 0.0, alpha=0.6, k_max=4, catch_up_s=catch_up)
+        probes.append(sum(k > 0 for k in ks(rounds)))
+        assert slowdown(rounds[10:]) < 1.035
+    assert probes[1] < probes[0] / 3
+
+
+def test_new_requests_start_from_the_engine_wide_prior():
+    controller = AdaptiveController()
+    run_phase(controller, Request(), 200, 0.0, alpha=0.3)
+    assert controller.prior[0] < 0.3
+    run_phase(controller, Request(), 300, 0.95, alpha=0.3)
+    assert controller.prior[0] > 0.6

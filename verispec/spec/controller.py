@@ -1,0 +1,294 @@
+"""Choosing k, the number of drafts per round, from measured costs and acceptance.
+
+The arithmetic (all times relative to one plain decode step, T_target(1)). A round that drafts
+k tokens commits on average, for a chain whose i-th draft survives with conditional probability
+p_i (given that drafts 1..i-1 survived),
+
+    E[tokens](k) = 1 + sum_{i=1..k} prod_{j<=i} p_j          (the 1 is the recovered/bonus token)
+
+and costs k * c + v(k + 1), where c is the cost of drafting one token and v(n) = T_target(n) /
+T_target(1) is the cost of a verify pass over n positions (v(1) = 1; a linear fit is
+v(n) = 1 + alpha * (n - 1)). The speedup over plain decoding is
+
+    speedup(k) = E[tokens](k) / (k * c + v(k + 1)),     speedup(0) = 1.
+
+:func:`speedups` is that formula, the one place it is written; ``verispec plan`` prints it and
+:class:`AdaptiveController` maximises it every round.
+
+The controller is behind a two-call interface the engine uses for every drafter::
+
+    k = controller.choose_k(seq, k_max)     # before the round, 0 <= k <= k_max
+    controller.observe(seq, report)         # after it: proposed, accepted, draft and verify time
+
+:class:`FixedK` always answers k_max (``"adaptive": false``). :class:`AdaptiveController`
+measures instead of assuming:
+
+* engine-wide costs (:class:`CostModel`): an exponential moving average (EMA) of the verify
+  phase time per number of positions n, a least-squares line through them for the n not seen
+  yet, and an EMA of the drafting time per draft token;
+* per-request, per-position acceptance: each request starts from the engine-wide estimate (its
+  prior) and follows its own content with a fast EMA, so it adapts within a few rounds when the
+  text turns from prose to code to copied passages.
+
+When no k > 0 beats plain decoding the request runs plain rounds, but probes now and then with
+the best k, so speculation returns once the content becomes predictable again. Probes are paid
+from an exploration budget: every plain round earns ``explore`` (3%) of its time, and a probe
+spends what it actually lost against plain decoding (its round time minus T_target(1) per token
+it committed). A probe is made when the balance is not negative. So probing costs at most that
+fraction of the plain-round time however expensive it is: a failed prompt-lookup probe (~alpha
+lost) waits ~alpha / 0.03 rounds, while a draft model, which must first read every token
+committed while it was idle, waits in proportion to that catch-up and so probes ever more
+rarely. A probe that gains earns credit, so a recovering request probes again at once.
+
+Costs are measured with the phases the engine already times: the drafting phase and the verify
+phase (target forward plus verification). The first drafting round after plain rounds also
+feeds the drafter the tokens it missed, so its time is not used as a per-token cost sample.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from verispec.config import SpeculativeConfig
+    from verispec.engine.sequence import Sequence as Seq
+
+
+# ---- the formula ---------------------------------------------------------------------------
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """E[tokens committed by a round with k drafts]; ``acceptance[i]`` is p_{i+1}.
+
+    A list shorter than k repeats its last rate. Example: p = [0.8, 0.5], k = 3 gives
+    1 + 0.8 + 0.8*0.5 + 0.8*0.5*0.5 = 2.4.
+    """
+    if k > 0 and not acceptance:
+        raise ValueError("acceptance needs at least one rate")
+    total, survive = 1.0, 1.0
+    for i in range(k):
+        survive *= acceptance[min(i, len(acceptance) - 1)]
+        total += survive
+    return total
+
+
+def speedups(acceptance: Sequence[float], draft_cost: float, verify_cost: Sequence[float]) -> list[float]:
+    """Expected speedup over plain decoding for k = 0 .. len(verify_cost) - 1 drafts.
+
+    Args:
+        acceptance: per-position conditional acceptance rates p_1, p_2, ... (see
+            :func:`expected_tokens`).
+        draft_cost: c, the time to draft one token over T_target(1).
+        verify_cost: ``verify_cost[k]`` = T_target(k + 1) / T_target(1); ``verify_cost[0]`` is 1.
+    """
+    for p in acceptance:
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"acceptance rates must be in [0, 1], got {p}")
+    if draft_cost < 0:
+        raise ValueError(f"the draft cost must be >= 0, got {draft_cost}")
+    return [expected_tokens(acceptance, k) / (k * draft_cost + v) for k, v in enumerate(verify_cost)]
+
+
+def linear_verify_cost(alpha: float, k_max: int) -> list[float]:
+    """v(k + 1) = 1 + alpha * k for k = 0..k_max."""
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    return [1.0 + alpha * k for k in range(k_max + 1)]
+
+
+def alpha_at_batch(alpha: float, batch_size: int) -> float:
+    """Per-position verify overhead at batch size B, from alpha measured at batch 1.
+
+    Model: a forward over m tokens costs 1 + alpha * (m - 1). Plain decoding runs B tokens per
+    step and a verify pass B * (k + 1), so relative to the plain step each extra position costs
+    alpha * B / (1 + alpha * (B - 1)), which tends to 1 (compute-bound) as B grows.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    return alpha * batch_size / (1.0 + alpha * (batch_size - 1))
+
+
+# ---- the interface -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What one round did and cost, as the engine measured it."""
+
+    num_proposed: int
+    num_accepted: int
+    num_committed: int
+    draft_s: float  # the drafting phase
+    verify_s: float  # the verify phase over num_proposed + 1 positions
+
+
+class Controller(Protocol):
+    def choose_k(self, seq: Seq, k_max: int) -> int:
+        """How many tokens to draft this round, 0..k_max (0 = a plain decoding round)."""
+
+    def observe(self, seq: Seq, report: RoundReport) -> None:
+        """Learn from the round just finished."""
+
+
+class FixedK:
+    """Always draft the most allowed: ``num_speculative_tokens``, capped by the room left."""
+
+    def choose_k(self, seq: Seq, k_max: int) -> int:
+        return k_max
+
+    def observe(self, seq: Seq, report: RoundReport) -> None:
+        pass
+
+
+def build_controller(config: SpeculativeConfig | None) -> Controller:
+    return AdaptiveController() if config is not None and config.adaptive else FixedK()
+
+
+# ---- the adaptive controller ---------------------------------------------------------------
+
+
+def _ema(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else old + weight * (new - old)
+
+
+@dataclass
+class CostModel:
+    """Measured round costs: T_target(n) per n (EMA) and the draft time per token (EMA)."""
+
+    weight: float = 0.2  # EMA weight of a new sample
+    prior_alpha: float = 0.1  # v(n) slope used until two different n have been measured
+    target_s: dict[int, float] = field(default_factory=dict)  # n -> EMA of the verify time
+    draft_s_per_token: float | None = None
+
+    def observe_target(self, n: int, seconds: float) -> None:
+        self.target_s[n] = _ema(self.target_s.get(n), seconds, self.weight)
+
+    def observe_draft(self, tokens: int, seconds: float) -> None:
+        self.draft_s_per_token = _ema(self.draft_s_per_token, seconds / tokens, self.weight)
+
+    def target_time(self, n: int) -> float | None:
+        """The EMA for n if measured; else the least-squares line through all measured n."""
+        if n in self.target_s:
+            return self.target_s[n]
+        points = sorted(self.target_s.items())
+        if not points:
+            return None
+        if len(points) == 1:
+            (n0, t0), = points
+            return t0 * (1 + self.prior_alpha * (n - 1)) / (1 + self.prior_alpha * (n0 - 1))
+        mean_n = sum(m for m, _ in points) / len(points)
+        mean_t = sum(t for _, t in points) / len(points)
+        slope = sum((m - mean_n) * (t - mean_t) for m, t in points) / sum((m - mean_n) ** 2 for m, _ in points)
+        slope = max(slope, 0.0)  # more positions never cost less; noise can say otherwise
+        return max(mean_t + slope * (n - mean_n), min(t for _, t in points))
+
+    def relative(self, k_max: int) -> tuple[float, list[float]] | None:
+        """(c, v) for :func:`speedups`, or None until T_target(1) has been measured."""
+        t1 = self.target_s.get(1)
+        if t1 is None or t1 <= 0:
+            return None
+        verify = [1.0] + [self.target_time(k + 1) / t1 for k in range(1, k_max + 1)]
+        # An unmeasured drafter is taken to be free; its first drafting round measures it.
+        c = (self.draft_s_per_token or 0.0) / t1
+        return c, verify
+
+
+@dataclass
+class _Request:
+    acceptance: list[float]  # [k] per-position conditional acceptance estimates
+    drafted_last: bool = False  # the drafter is in sync (it drafted last round)
+    probing: bool = False  # this round is a probe while speculation is off
+    balance: float = 0.0  # exploration budget in seconds; a probe is allowed when >= 0
+
+
+class AdaptiveController:
+    """Pick, per request and round, the k that maximises expected tokens per second.
+
+    Args:
+        prior_acceptance: the starting per-position acceptance of the engine-wide prior.
+        request_weight: EMA weight of one observation in a request's own estimates (fast).
+        prior_weight: EMA weight of one observation in the engine-wide prior (slow).
+        explore: the fraction of plain-round time that probes may cost (see the module doc).
+        costs: the cost model; a fresh one by default.
+    """
+
+    def __init__(self, *, prior_acceptance: float = 0.5, request_weight: float = 0.3,
+                 prior_weight: float = 0.05, explore: float = 0.03, costs: CostModel | None = None) -> None:
+        if not 0.0 <= prior_acceptance <= 1.0:
+            raise ValueError(f"prior_acceptance must be in [0, 1], got {prior_acceptance}")
+        if not (0 < prior_weight <= 1 and 0 < request_weight <= 1):
+            raise ValueError("EMA weights must be in (0, 1]")
+        if not 0 < explore < 1:
+            raise ValueError(f"explore must be in (0, 1), got {explore}")
+        self.costs = costs or CostModel()
+        self.prior: list[float] = []  # engine-wide per-position acceptance, grown on demand
+        self.prior_acceptance = prior_acceptance
+        self.request_weight, self.prior_weight = request_weight, prior_weight
+        self.explore = explore
+        # Per-request state lives as long as its sequence does.
+        self._requests: weakref.WeakKeyDictionary[Seq, _Request] = weakref.WeakKeyDictionary()
+
+    def choose_k(self, seq: Seq, k_max: int) -> int:
+        req = self._request(seq)
+        req.probing = False
+        if k_max <= 0:
+            return 0
+        costs = self.costs.relative(k_max)
+        if costs is None:
+            return 0  # a plain round measures T_target(1) first
+        gains = speedups(self._estimates(req, k_max), *costs)
+        best = max(range(1, k_max + 1), key=gains.__getitem__)
+        if gains[best] > gains[0]:
+            req.balance = 0.0
+            return best
+        if req.balance < 0:
+            return 0
+        req.probing = True
+        return best
+
+    def observe(self, seq: Seq, report: RoundReport) -> None:
+        req = self._request(seq)
+        n, a = report.num_proposed, report.num_accepted
+        self.costs.observe_target(n + 1, report.verify_s)
+        if n > 0 and req.drafted_last:
+            self.costs.observe_draft(n, report.draft_s)
+        req.drafted_last = n > 0
+        tested = min(a + 1, n)  # drafts 1..a were accepted, draft a+1 (if proposed) rejected
+        self._grow(self.prior, tested)
+        req.acceptance.extend(self.prior[len(req.acceptance):tested])
+        for i in range(tested):
+            hit = 1.0 if i < a else 0.0
+            req.acceptance[i] = _ema(req.acceptance[i], hit, self.request_weight)
+            self.prior[i] = _ema(self.prior[i], hit, self.prior_weight)
+        if 0 < n == a < len(req.acceptance):
+            # Every draft survived, so draft n + 1 was never tried: pull its estimate toward
+            # draft n's. Without this, one unlucky rejection deep in the chain would cap k for
+            # good, because positions beyond the chosen k are never tested again.
+            req.acceptance[n] = _ema(req.acceptance[n], req.acceptance[n - 1], self.request_weight)
+        if req.probing:
+            # What the probe lost against plain decoding (negative: it gained), catch-up included.
+            t1 = self.costs.target_s[1]
+            req.balance -= report.draft_s + report.verify_s - report.num_committed * t1
+        elif n == 0:
+            req.balance += self.explore * report.verify_s
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _request(self, seq: Seq) -> _Request:
+        req = self._requests.get(seq)
+        if req is None:
+            req = self._requests[seq] = _Request(acceptance=list(self.prior))
+        return req
+
+    def _estimates(self, req: _Request, k: int) -> list[float]:
+        """The request's own rates where it has some, the engine-wide prior beyond, and the
+        deepest measured rate for positions nobody has tried yet (so deeper k gets explored)."""
+        rates = req.acceptance[:k] + self.prior[len(req.acceptance):k]
+        self._grow(rates, k)
+        return rates
+
+    def _grow(self, rates: list[float], length: int) -> None:
+        rates.extend([rates[-1] if rates else self.prior_acceptance] * (length - len(rates)))
