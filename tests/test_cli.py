@@ -55,3 +55,10 @@ def test_models_list_names_all_bundled_models(capsys):
     out = capsys.readouterr().out
     for name in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"):
         assert name in out
+
+
+def test_no_adaptive_flag_restores_fixed_k():
+    args = build_parser().parse_args(["generate", "m", "p", "--speculative-method", "ngram", "--no-adaptive"])
+    assert speculative_config_from_args(args).adaptive is False
+    args = build_parser().parse_args(["generate", "m", "p", "--speculative-method", "ngram"])
+    assert speculative_config_from_args(args).adaptive is True

@@ -72,3 +72,11 @@ def test_unknown_method_lists_valid_methods():
 def test_draft_model_without_model_is_clear_error():
     with pytest.raises(ValueError, match='needs "model"'):
         build_drafter(SpeculativeConfig(method="draft_model"), DrafterContext(target=None, max_model_len=16))
+
+
+def test_adaptive_is_on_by_default_and_json_can_turn_it_off():
+    assert SpeculativeConfig(method="ngram").adaptive is True
+    cfg = SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 6, "adaptive": false}')
+    assert (cfg.adaptive, cfg.num_speculative_tokens) == (False, 6)
+    with pytest.raises(ValueError, match="adaptive must be true or false"):
+        SpeculativeConfig.from_dict({"method": "ngram", "adaptive": "no"})

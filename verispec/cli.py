@@ -1,6 +1,7 @@
 """``verispec`` command line: generate text, manage bundled models.
 
     verispec generate MODEL "prompt" [sampling flags] [speculative flags] [--stats]
+    verispec plan --acceptance P --alpha A [--draft-cost C] [--measure MODEL [--draft MODEL]]
     verispec models list | fetch NAME
 
 MODEL is a bundled name (``verispec models list``), a local Hugging Face directory or a
@@ -52,6 +53,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     spec.add_argument("--speculative-model", default=None, help="draft model (implies method draft_model)")
     spec.add_argument("--num-speculative-tokens", type=int, default=None, help="k, drafts per round")
     spec.add_argument("--speculative-method", default=None, help="draft_model or ngram")
+    spec.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                      help="choose k each round from measured costs, up to --num-speculative-tokens "
+                      "(default on); --no-adaptive drafts exactly that many every round")
     g.add_argument("--stats", action="store_true", help="print acceptance statistics and timings (stderr)")
     g.add_argument("--compare-plain", action="store_true",
                    help="also run plain decoding on the same prompt and report the speedup and "
@@ -74,6 +78,8 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
         data["num_speculative_tokens"] = args.num_speculative_tokens
     if args.speculative_method is not None:
         data["method"] = args.speculative_method
+    if args.adaptive is not None:
+        data["adaptive"] = args.adaptive
     if not data:
         return None
     return SpeculativeConfig.from_dict(data)
@@ -142,6 +148,78 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="expected speculative speedup for each number of drafts N",
+        description="Tabulate E[tokens per round] / (N*c + 1 + alpha*N) for N = 0..--max-n, name "
+        "the best N and the 1/alpha ceiling. --measure times this machine for alpha and c.",
+    )
+    rates = p.add_mutually_exclusive_group()
+    rates.add_argument("--acceptance", type=float, default=None, help="acceptance rate p of every draft")
+    rates.add_argument("--per-position", default=None, metavar="P1,P2,...",
+                       help="conditional acceptance of draft 1, 2, ... (the last repeats)")
+    p.add_argument("--draft-cost", type=float, default=None,
+                   help="c: cost of drafting one token over one target decode step (default 0)")
+    p.add_argument("--alpha", type=float, default=None, help="verify overhead per extra position")
+    p.add_argument("--batch-size", type=int, default=1, help="requests decoded together (default 1)")
+    p.add_argument("--max-n", type=int, default=12, help="largest N to tabulate (default 12)")
+    p.add_argument("--measure", default=None, metavar="MODEL", help="time this target to fill --alpha")
+    p.add_argument("--draft", default=None, metavar="MODEL", help="with --measure: time this draft for c")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="draw speedup against N for several p")
+
+
+def _plan_acceptance(args: argparse.Namespace) -> list[float]:
+    if args.per_position is not None:
+        try:
+            return [float(x) for x in args.per_position.split(",")]
+        except ValueError:
+            raise ValueError(f"--per-position must be comma-separated numbers, got {args.per_position!r}") from None
+    if args.acceptance is None:
+        raise ValueError("give --acceptance P or --per-position P1,P2,...")
+    return [args.acceptance]
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from verispec.spec.plan import format_plan, make_plan, measure, plot_plan
+
+    acceptance = _plan_acceptance(args)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.draft and not args.measure:
+        raise ValueError("--draft needs --measure MODEL")
+    alpha, c, batch = args.alpha, args.draft_cost, args.batch_size
+    if args.measure:
+        import torch
+
+        from verispec.models.loader import load_model
+
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        target = load_model(args.measure, device=args.device, dtype=args.dtype)
+        draft = load_model(args.draft, device=args.device, dtype=args.dtype) if args.draft else None
+        alpha, measured_c, raw = measure(target.model, draft.model if draft else None, batch)
+        c = measured_c if measured_c is not None else c
+        times = ", ".join(f"{n}: {t * 1e3:.1f}" for n, t in raw["target_s"].items())
+        print(f"measured {args.measure} at batch {batch}: T_target(n) ms {{{times}}}; alpha = {alpha:.3f}")
+        if raw["draft_s"] is not None:
+            print(f"measured {args.draft}: T_draft(1) {raw['draft_s'] * 1e3:.1f} ms; c = {c:.3f}")
+        batch = 1  # the measured figures already are those of the batch
+    if alpha is None:
+        raise ValueError("give --alpha A or --measure MODEL")
+    plan = make_plan(acceptance, c or 0.0, alpha, args.max_n, batch)
+    print(format_plan(plan))
+    if args.plot:
+        plot_plan(plan, Path(args.plot))
+        print(f"plot written to {args.plot}")
+    return 0
+
+
 def _add_models(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser("models", help="list or fetch the bundled models")
     msub = m.add_subparsers(dest="models_cmd", required=True)
@@ -168,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_plan(sub)
     _add_models(sub)
     return parser
 
@@ -175,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"generate": cmd_generate, "models": cmd_models}
+    handlers = {"generate": cmd_generate, "plan": cmd_plan, "models": cmd_models}
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -1,0 +1,110 @@
+"""Choosing k per round never changes what is generated.
+
+At T = 0 the output is token-identical to plain decoding whatever k each round uses: with the
+adaptive controller on, and with a controller that picks k at random. With sampling, the adaptive
+controller leaves the output distribution exactly the target's (shared harness).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from distribution import PROMPT as DIST_PROMPT
+from distribution import SETTINGS, exact_joint, goodness_of_fit, passes, sample_counts, target_and_draft
+from tiny import loaded
+from verispec.config import SamplingParams, SpeculativeConfig
+from verispec.engine.engine import Engine
+from verispec.spec.controller import AdaptiveController, RoundReport
+from verispec.spec.draft_model import DraftModelDrafter
+from verispec.spec.ngram import NgramDrafter
+
+PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=60)
+
+
+class Recording(AdaptiveController):
+    """The adaptive controller, remembering each k it chose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chosen: Counter[int] = Counter()
+
+    def choose_k(self, seq, k_max: int) -> int:
+        k = super().choose_k(seq, k_max)
+        self.chosen[k] += 1
+        return k
+
+
+class RandomK:
+    """Any k in 0..k_max, from its own generator (never the request's)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def choose_k(self, seq, k_max: int) -> int:
+        return self.rng.randint(0, k_max)
+
+    def observe(self, seq, report: RoundReport) -> None:
+        pass
+
+
+def make_drafter(kind, draft_model, max_model_len=512):
+    if kind == "ngram":
+        return NgramDrafter(1, 3)
+    return DraftModelDrafter(loaded(draft_model), draft_model.config.vocab_size, max_model_len)
+
+
+def engine(target, drafter, k_max, controller=None):
+    spec = SpeculativeConfig(method="given", num_speculative_tokens=k_max)  # adaptive by default
+    return Engine(loaded(target), spec, max_model_len=512, drafter=drafter, controller=controller)
+
+
+@pytest.fixture(scope="module")
+def plain_output(target):
+    return Engine(loaded(target), None, max_model_len=512).generate(PROMPT, GREEDY).output_ids
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+def test_greedy_identical_with_adaptive_controller(target, draft, plain_output, kind):
+    controller = Recording()
+    eng = engine(target, make_drafter(kind, draft), 6, controller)
+    outputs = [eng.generate(PROMPT, GREEDY).output_ids for _ in range(2)]  # 2nd: with learned costs
+    print(f"{kind}: k chosen {dict(sorted(controller.chosen.items()))}")
+    assert outputs == [plain_output, plain_output]
+    assert eng.metrics.num_draft_tokens > 0
+    assert controller.chosen[0] > 0  # the first round measures plain decoding
+
+
+@pytest.mark.parametrize("k_max", [1, 4, 8])
+@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+def test_any_choice_of_k_leaves_greedy_output_unchanged(target, draft, plain_output, kind, k_max):
+    eng = engine(target, make_drafter(kind, draft), k_max, RandomK(seed=k_max))
+    seq = eng.generate(PROMPT, GREEDY)
+    assert seq.output_ids == plain_output
+    assert 0 < seq.metrics.num_drafts < seq.metrics.num_rounds
+
+
+def test_controller_choosing_too_many_drafts_is_an_error(target, draft):
+    class Greedy(RandomK):
+        def choose_k(self, seq, k_max):
+            return k_max + 1
+
+    eng = engine(target, make_drafter("ngram", draft), 4, Greedy(0))
+    with pytest.raises(RuntimeError, match="controller chose k=5, outside 0..4"):
+        eng.generate(PROMPT, GREEDY)
+
+
+def test_adaptive_sampling_matches_plain_distribution():
+    target, draft = target_and_draft()
+    params = SETTINGS["temperature=1.0"]
+    controller = Recording()
+    eng = engine(target, make_drafter("draft_model", draft, 64), 2, controller)
+    counts = sample_counts(lambda p: eng.generate(DIST_PROMPT, p).output_ids, params)
+    pvalue, tv = goodness_of_fit(counts, exact_joint(target, params))
+    print(f"adaptive: k chosen {dict(sorted(controller.chosen.items()))}, "
+          f"acceptance {eng.metrics.acceptance_rate:.3f}, chi2 p={pvalue:.4f}, max marginal TV={tv:.4f}")
+    assert controller.chosen[0] > 0 and controller.chosen[1] > 0  # both plain and drafting rounds
+    assert passes(pvalue, tv)
