@@ -92,6 +92,14 @@ def speedups(acceptance: Sequence[float], draft_cost: float, verify_cost: Sequen
     return [expected_tokens(acceptance, k) / (k * draft_cost + v) for k, v in enumerate(verify_cost)]
 
 
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) through at least two points with distinct x."""
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    return mean_y - slope * mean_x, slope
+
+
 def linear_verify_cost(alpha: float, k_max: int) -> list[float]:
     """v(k + 1) = 1 + alpha * k for k = 0..k_max."""
     if alpha < 0:
@@ -179,11 +187,10 @@ class CostModel:
         if len(points) == 1:
             (n0, t0), = points
             return t0 * (1 + self.prior_alpha * (n - 1)) / (1 + self.prior_alpha * (n0 - 1))
-        mean_n = sum(m for m, _ in points) / len(points)
-        mean_t = sum(t for _, t in points) / len(points)
-        slope = sum((m - mean_n) * (t - mean_t) for m, t in points) / sum((m - mean_n) ** 2 for m, _ in points)
-        slope = max(slope, 0.0)  # more positions never cost less; noise can say otherwise
-        return max(mean_t + slope * (n - mean_n), min(t for _, t in points))
+        intercept, slope = fit_line(points)
+        if slope <= 0:  # more positions never cost less; noise can say otherwise
+            return max(t for _, t in points)
+        return max(intercept + slope * n, min(t for _, t in points))
 
     def relative(self, k_max: int) -> tuple[float, list[float]] | None:
         """(c, v) for :func:`speedups`, or None until T_target(1) has been measured."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from verispec.spec.controller import alpha_at_batch, expected_tokens, linear_verify_cost, speedups
+from verispec.spec.controller import alpha_at_batch, expected_tokens, fit_line, linear_verify_cost, speedups
 
 if TYPE_CHECKING:
     from verispec.models.decoder import Decoder
@@ -134,10 +134,7 @@ def step_times(model: Decoder, widths: range, batch_size: int, repeats: int) -> 
 
 def fit_alpha(times: dict[int, float]) -> float:
     """Slope of the least-squares line through T(n), over T(1)."""
-    ns = sorted(times)
-    mean_n = sum(ns) / len(ns)
-    mean_t = sum(times[n] for n in ns) / len(ns)
-    slope = sum((n - mean_n) * (times[n] - mean_t) for n in ns) / sum((n - mean_n) ** 2 for n in ns)
+    _, slope = fit_line(sorted(times.items()))
     return max(slope, 0.0) / times[1]
 
 
