@@ -2,6 +2,7 @@
 
     verispec generate MODEL "prompt" [sampling flags] [speculative flags] [--stats]
     verispec models list | fetch NAME
+    verispec bench --model MODEL --methods plain,ngram,... [--questions spec-bench|code-edit|FILE]
 
 MODEL is a bundled name (``verispec models list``), a local Hugging Face directory or a
 ``.gguf`` file. Speculative flags follow vLLM: ``--speculative-config JSON`` or the shorthands
@@ -15,6 +16,7 @@ import json
 import sys
 import time
 
+from verispec.bench import cli as bench_cli
 from verispec.config import SamplingParams, SpeculativeConfig
 
 DEFAULT_DEMO_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -169,13 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_models(sub)
+    bench_cli.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"generate": cmd_generate, "models": cmd_models}
+    handlers = {"generate": cmd_generate, "models": cmd_models, "bench": bench_cli.cmd_bench}
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
