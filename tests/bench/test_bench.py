@@ -183,3 +183,22 @@ def test_ctrl_c_writes_a_partial_report(tmp_path, monkeypatch, capsys):
     assert "PARTIAL REPORT" in (out / "report.md").read_text()
     assert json.loads((out / "report.json").read_text())["partial"] is True
     assert (out / "speedup.png").is_file() and (out / "acceptance.png").is_file()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--methods", "plain,nope"], "unknown method 'nope'; valid methods: plain, "),
+        (["--questions", "no/such/file.jsonl"], "question file not found"),
+        (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--max-tokens", "0"], "max_tokens must be a positive integer"),
+    ],
+)
+def test_bad_bench_input_fails_before_loading_the_model(capsys, argv, message):
+    assert main(["bench", "--model", "no-such-model-anywhere", "--questions", "code-edit", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_needs_a_model_unless_comparing(capsys):
+    assert main(["bench"]) == 2
+    assert "--model is required" in capsys.readouterr().err

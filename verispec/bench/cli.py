@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from verispec.bench.machine import log, machine_info, machine_load
 from verispec.bench.workloads import (
-    BUILTIN_WORKLOADS, MT_BENCH, SPEC_BENCH_ENV, SPEC_BENCH_RELATIVE, ChatFormat, PromptFormat, Workload,
+    MT_BENCH, SPEC_BENCH_ENV, SPEC_BENCH_RELATIVE, ChatFormat, PromptFormat, Workload,
     load_workload,
 )
 
@@ -85,7 +85,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(compare_reports(a, b, str(args.compare[0]), str(args.compare[1])), end="")
         return 0
     if not args.model:
-        raise ValueError(f"--model is required (or --compare A.json B.json); valid questions: {', '.join(BUILTIN_WORKLOADS)} or a file")
+        raise ValueError("--model is required (or --compare A.json B.json)")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     specs = parse_methods(args.methods)
