@@ -105,6 +105,15 @@ def test_hf_runner_is_greedy_at_t0_and_stops_at_eos():
     assert result.output_ids == expected[: stop_at + 1] and result.finish_reason == "stop"
 
 
+def test_hf_assisted_counts_its_first_round_as_prefill_output():
+    model, assistant = tiny_hf_model(), tiny_hf_model()  # same seed: the assistant always agrees
+    prompt = [3, 5, 7, 9]
+    runner = HFRunner(model, frozenset(), {"num_assistant_tokens": 4}, assistant=assistant)
+    result = runner.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))
+    assert result.output_ids == argmax_loop(model, prompt, 8)
+    assert result.first_tokens > 1
+
+
 class FakeLlama:
     """Stands in for ``llama_cpp.Llama``: yields a fixed token stream, records its arguments."""
 

@@ -208,9 +208,10 @@ def _check_llamacpp(spec: MethodSpec) -> None:
 class TurnResult:
     output_ids: list[int]
     total_s: float
-    prefill_s: float  # call start to first generated token
+    prefill_s: float  # call start until the first generated token exists
     finish_reason: str | None
     metrics: SpecMetrics | None = None  # verispec methods only
+    first_tokens: int = 1  # tokens that exist when prefill ends (assisted generation emits a round at once)
 
 
 class Runner(Protocol):
@@ -230,30 +231,36 @@ class EngineRunner:
         return TurnResult(list(seq.output_ids), total, seq.metrics.prefill_time_s, seq.finish_reason, seq.metrics)
 
 
-class _FirstTokenTimer:
-    """A transformers streamer that notes when each push arrives (the first push is the prompt)."""
+class _PushTimer:
+    """A transformers streamer that notes when each push arrives and its size (the first is the prompt)."""
 
     def __init__(self) -> None:
-        self.times: list[float] = []
+        self.pushes: list[tuple[float, int]] = []
 
     def put(self, value: torch.Tensor) -> None:
-        self.times.append(time.perf_counter())
+        self.pushes.append((time.perf_counter(), value.numel()))
 
     def end(self) -> None:
         pass
 
 
 def hf_generate(model: Any, prompt_ids: list[int], **generate_kwargs: Any) -> TurnResult:
-    """Time one transformers ``generate`` call; prefill ends when the first new token is pushed."""
+    """Time one transformers ``generate`` call; prefill ends with the first push of new tokens.
+
+    Plain ``generate`` pushes one token at a time; assisted generation pushes each round's
+    tokens together, so its first push holds the first round too (``first_tokens``).
+    """
     ids = torch.tensor([prompt_ids], device=model.device)
-    timer = _FirstTokenTimer()
+    timer = _PushTimer()
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), streamer=timer, **generate_kwargs)
     total = time.perf_counter() - t0
-    if len(timer.times) < 2:
+    if len(timer.pushes) < 2:
         raise RuntimeError("transformers generated no token (its streamer saw only the prompt)")
-    return TurnResult([int(t) for t in out[0, len(prompt_ids):]], total, timer.times[1] - t0, None)
+    first_at, first_tokens = timer.pushes[1]
+    return TurnResult([int(t) for t in out[0, len(prompt_ids):]], total, first_at - t0, None,
+                      first_tokens=first_tokens)
 
 
 class HFRunner:

@@ -4,7 +4,9 @@ Figures per method, per category and ``overall`` (all runs of every turn and rep
 
 * ``tok_s`` -- generated tokens / wall time of the whole call (prefill included; end to end);
   ``decode_tok_s`` -- tokens after the first / (wall time - prefill). Prefill ends when the
-  first token exists, so for verispec methods it includes the drafter's ``start``.
+  first token exists, so for verispec methods it includes the drafter's ``start``; for
+  transformers' assisted generation, whose first push is a whole round, the tokens of that
+  push count as prefill output.
 * ``speedup`` / ``decode_speedup`` -- the method's tok/s over verispec ``plain``'s, same runs.
 * ``mean_acceptance_length``, ``acceptance_rate``, ``per_position_acceptance``, ``c`` and
   ``alpha`` -- from the pooled :class:`~verispec.spec.metrics.SpecMetrics` (verispec methods
@@ -72,9 +74,9 @@ def _figures(sel: list[Run], div: list, plain: dict | None) -> dict:
     tokens = sum(len(r.result.output_ids) for r in sel)
     total = sum(r.result.total_s for r in sel)
     decode = total - sum(r.result.prefill_s for r in sel)
-    decode_tokens = sum(max(len(r.result.output_ids) - 1, 0) for r in sel)
+    decode_tokens = sum(max(len(r.result.output_ids) - r.result.first_tokens, 0) for r in sel)
     tok_s = tokens / total if total > 0 else None
-    decode_tok_s = decode_tokens / decode if decode > 0 else None
+    decode_tok_s = decode_tokens / decode if decode > 0 and decode_tokens else None
     fig: dict[str, Any] = {
         "questions": len({r.question_id for r in sel}), "turns": len(sel), "output_tokens": tokens,
         "total_s": total, "decode_s": decode, "tok_s": tok_s, "decode_tok_s": decode_tok_s,
