@@ -56,6 +56,7 @@ def plot_acceptance(report: dict, path: Path) -> None:
         if pos:
             ax.plot(range(1, len(pos) + 1), pos, marker="o", label=label)
             drawn += 1
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate at position")
     ax.set_ylim(0, 1.05)

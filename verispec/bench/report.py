@@ -304,6 +304,9 @@ def compare_reports(a: dict, b: dict, name_a: str = "A", name_b: str = "B") -> s
     for key in ("model", "dtype"):
         if a.get(key) != b.get(key):
             lines.append(f"- note: {key} differs: A {a.get(key)}, B {b.get(key)}")
+    wa, wb = (r.get("workload", {}) for r in (a, b))
+    if (wa.get("name"), wa.get("questions")) != (wb.get("name"), wb.get("questions")):
+        lines.append(f"- note: the questions differ: A {wa.get('name')}, B {wb.get('name')}")
     if a.get("settings") != b.get("settings"):
         lines.append(f"- note: settings differ: A {a.get('settings')}, B {b.get('settings')}")
     for rep, name in ((a, "A"), (b, "B")):
