@@ -44,7 +44,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import log, machine_load  # benchmarks/common.py
+
+from verispec.bench.machine import log, machine_load
+from verispec.bench.methods import hf_generate
+from verispec.bench.report import first_divergence
 
 DEFAULT_PROMPT = (
     "Write a Python function that returns the n-th Fibonacci number using memoization, "
@@ -99,31 +102,9 @@ def run_ours(engine: Any, prompt_ids: list[int], n: int) -> dict:
     return timing(list(seq.output_ids), total, seq.metrics.prefill_time_s, n)
 
 
-class _FirstTokenTimer:
-    """A ``generate`` streamer that notes when each push arrives (the first is the prompt)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
 def run_hf(model: Any, gen_config: Any, prompt_ids: list[int], n: int) -> dict:
-    ids = torch.tensor([prompt_ids])
-    mask = torch.ones_like(ids)
-    timer = _FirstTokenTimer()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, generation_config=gen_config, streamer=timer)
-    total = time.perf_counter() - t0
-    if len(timer.times) < 2:
-        raise RuntimeError("transformers generated no token (streamer saw only the prompt)")
-    prefill = timer.times[1] - t0
-    return timing([int(t) for t in out[0, len(prompt_ids):]], total, prefill, n)
+    r = hf_generate(model, prompt_ids, generation_config=gen_config)
+    return timing(r.output_ids, r.total_s, r.prefill_s, n)
 
 
 def timing(output_ids: list[int], total: float, prefill: float, n: int) -> dict:
@@ -189,7 +170,7 @@ def read_bandwidth(gib: float, trials: int) -> dict:
     numel = int(gib * 1024**3) // 4 * 2  # even, so the float32 view exists
     x = torch.ones(numel, dtype=torch.bfloat16)  # touches every page, so none is lazily mapped
     nbytes = x.numel() * x.element_size()
-    probes = {"sum_bf16": lambda: x.sum(), "sum_as_float32": lambda: x.view(torch.float32).sum()}
+    probes = {"sum_bf16": x.sum, "sum_as_float32": x.view(torch.float32).sum}
     best_s: dict[str, float] = {}
     for name, fn in probes.items():
         fn()  # warm-up
@@ -199,7 +180,7 @@ def read_bandwidth(gib: float, trials: int) -> dict:
             fn()
             best = min(best, time.perf_counter() - t0)
         best_s[name] = best
-    del x
+    del x, probes
     per_probe = {name: nbytes / s / 1e9 for name, s in best_s.items()}
     return {"tensor_bytes": nbytes, "gb_s_by_probe": per_probe, "gb_s": max(per_probe.values())}
 
@@ -225,13 +206,6 @@ def kv_bytes_per_token(model: Any, prompt_len: int, n: int, block: int) -> dict:
         "logical": per_pos * statistics.fmean(lengths),
         "padded": per_pos * statistics.fmean(padded),
     }
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
     verispec generate MODEL "prompt" [sampling flags] [speculative flags] [--stats]
     verispec plan --acceptance P --alpha A [--draft-cost C] [--measure MODEL [--draft MODEL]]
     verispec models list | fetch NAME
+    verispec bench --model MODEL --methods plain,ngram,... [--questions spec-bench|code-edit|FILE]
 
 MODEL is a bundled name (``verispec models list``), a local Hugging Face directory or a
 ``.gguf`` file. Speculative flags follow vLLM: ``--speculative-config JSON`` or the shorthands
@@ -16,6 +17,7 @@ import json
 import sys
 import time
 
+from verispec.bench import cli as bench_cli
 from verispec.config import SamplingParams, SpeculativeConfig
 
 DEFAULT_DEMO_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -248,13 +250,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_plan(sub)
     _add_models(sub)
+    bench_cli.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"generate": cmd_generate, "plan": cmd_plan, "models": cmd_models}
+    handlers = {"generate": cmd_generate, "plan": cmd_plan, "models": cmd_models, "bench": bench_cli.cmd_bench}
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

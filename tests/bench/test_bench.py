@@ -1,0 +1,204 @@
+"""The bench harness end to end on tiny models: report files, equality check, --compare, Ctrl-C.
+
+The harness runs on a tiny random bf16 target (plus a perturbed copy as draft model) with a
+toy chat format, on an inline JSONL with three categories, one of them two-turn. A drafter that
+breaks its contract (it overwrites a committed token) is registered for the test only, and the
+equality check must flag it at the exact token it corrupted.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import contextmanager, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from verispec.bench import methods as bench_methods
+from verispec.bench.cli import run_and_report
+from verispec.bench.runner import Settings
+from verispec.bench.workloads import load_workload
+from verispec.cli import main
+from verispec.spec import base
+from verispec.spec.base import Proposal
+
+from tiny import LETTERS, loaded, tiny_model
+
+VOCAB = 48
+QUESTIONS = [
+    {"question_id": 1, "category": "alpha", "turns": ["abcab abcab", "again abc"]},
+    {"question_id": 2, "category": "alpha", "turns": ["unused"]},
+    {"question_id": 3, "category": "beta", "turns": ["xyzxyz xyz"]},
+    {"question_id": 4, "category": "gamma", "turns": ["hello hello"]},
+]
+METHODS = "plain,ngram@k=3,prompt_lookup_max=2,draft_model:tiny-draft@k=2,corrupt@k=2"
+MAX_TOKENS = 8
+
+
+class ToyFormat:
+    """One token per character (ids mod the vocabulary), a role marker per message."""
+
+    def encode(self, messages):
+        ids = []
+        for m in messages:
+            ids.append(1 if m["role"] == "user" else 2)
+            ids += [LETTERS.index(c) % VOCAB if c in LETTERS else 0 for c in m["content"]]
+        return ids + [2]
+
+    def decode(self, ids):
+        return "".join(LETTERS[i % len(LETTERS)] for i in ids)
+
+
+class CorruptingDrafter:
+    """Proposes nothing useful and, on its first feedback, overwrites the last committed token."""
+
+    corrupted_at: list[int] = []
+
+    def start(self, seq):
+        self.done = False
+
+    def propose(self, seq, k):
+        return Proposal([0] * k)
+
+    def feedback(self, seq, outcome):
+        if not self.done and len(seq.output_ids) < seq.params.max_tokens:
+            seq.output_ids[-1] = (seq.output_ids[-1] + 1) % VOCAB
+            CorruptingDrafter.corrupted_at.append(len(seq.output_ids) - 1)
+            self.done = True
+
+    def finish(self, seq):
+        pass
+
+
+def make_runner(out_root: Path):
+    """A function that runs the harness on the tiny models and returns the report."""
+    target_model = tiny_model(VOCAB, seed=0)
+    draft_model = tiny_model(VOCAB, seed=1, noise_from=target_model, noise=0.05)
+    qfile = out_root / "questions.jsonl"
+    qfile.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    workload = load_workload(str(qfile), None, 1)
+    meta = {"command": "test", "model": "tiny", "dtype": "bfloat16",
+            "machine": {"date": "now", "cpu": "cpu", "cpu_count": 1, "torch_threads": 1, "torch": "t",
+                        "transformers": "t", "loadavg_start": 0.0}}
+
+    def run(out: Path, settings: Settings) -> dict:
+        specs = bench_methods.parse_methods(METHODS)
+        return run_and_report(loaded(target_model), ToyFormat(), specs, workload, settings, out,
+                              lambda name: loaded(draft_model, name=name), meta)
+
+    return run
+
+
+@contextmanager
+def corrupt_registered():
+    CorruptingDrafter.corrupted_at = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(base._REGISTRY, "corrupt", lambda config, context: CorruptingDrafter())
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """One run, two repeats, shared by the report and --compare tests: (report, out dir, stdout)."""
+    root = tmp_path_factory.mktemp("bench")
+    stdout = io.StringIO()
+    with corrupt_registered(), redirect_stdout(stdout):
+        report = make_runner(root)(root / "out", Settings(max_tokens=MAX_TOKENS, repeats=2, warmup=False,
+                                                          progress=False))
+    return report, root / "out", stdout.getvalue(), list(CorruptingDrafter.corrupted_at)
+
+
+def test_report_is_complete_and_flags_the_broken_method(full_run):
+    report, out, stdout, corrupted_at = full_run
+    for name in ("report.json", "report.md", "speedup.png", "acceptance.png"):
+        assert (out / name).stat().st_size > 0
+    for name in ("speedup.png", "acceptance.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk["partial"] is False and on_disk["blocks_done"] == on_disk["blocks_planned"] == 6
+    last = stdout.rstrip("\n").splitlines()[-1]
+    assert json.loads(last) == {k: v for k, v in on_disk.items() if k != "runs"}
+    assert "| corrupt@k=2 |" in stdout and "PARTIAL" not in stdout
+
+    labels = ["plain", "ngram@k=3,prompt_lookup_max=2", "draft_model:tiny-draft@k=2", "corrupt@k=2"]
+    assert list(report["results"]) == labels
+    for label in labels:
+        assert set(report["results"][label]) == {"alpha", "beta", "gamma", "overall"}
+        overall = report["results"][label]["overall"]
+        assert overall["turns"] == 8 and overall["tok_s"] > 0 and len(overall["tok_s_by_repeat"]) == 2
+    for label in labels[:3]:  # lossless methods: every answer identical to plain
+        assert report["results"][label]["overall"]["identical"] == 8
+    assert report["results"][labels[2]]["overall"]["mean_acceptance_length"] > 1.0
+    assert report["results"][labels[2]]["overall"]["per_position_acceptance"]
+
+    broken = report["results"]["corrupt@k=2"]["overall"]
+    assert broken["identical"] == 0 and broken["compared"] == 8
+    assert broken["first_divergence"]["index"] == corrupted_at[0]
+    assert report["goals"]["verispec_t0_identical"]["met"] is False
+
+    # Multi-turn: turn 2's prompt carries turn 1's answer; the starting method rotates per block.
+    runs = [r for r in report["runs"] if r["method"] == "plain" and r["question_id"] == "1" and r["repeat"] == 0]
+    assert [r["turn"] for r in runs] == [0, 1]
+    assert runs[1]["prompt_tokens"] >= runs[0]["prompt_tokens"] + runs[0]["output_tokens"]
+    firsts = [r["method"] for r in report["runs"] if r["order"] == 0 and r["turn"] == 0]
+    assert len(set(firsts)) > 1
+
+
+def test_compare_prints_per_method_deltas(full_run, tmp_path, capsys):
+    report, out, _, _ = full_run
+    b = json.loads(json.dumps(report))
+    b["results"]["plain"]["overall"]["tok_s"] = report["results"]["plain"]["overall"]["tok_s"] * 2
+    del b["results"]["corrupt@k=2"]
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert main(["bench", "--compare", str(out / "report.json"), str(tmp_path / "b.json")]) == 0
+    text = capsys.readouterr().out
+    assert "| plain | overall |" in text and "+100.0%" in text
+    assert "corrupt@k=2 (only in A)" in text
+
+
+def test_compare_rejects_a_file_that_is_not_a_report(tmp_path, capsys):
+    (tmp_path / "x.json").write_text("[1, 2]")
+    assert main(["bench", "--compare", str(tmp_path / "x.json"), str(tmp_path / "x.json")]) == 2
+    assert "not a verispec bench report" in capsys.readouterr().err
+
+
+def test_ctrl_c_writes_a_partial_report(tmp_path, monkeypatch, capsys):
+    real = bench_methods.EngineRunner.generate
+    calls = []
+
+    def interrupt_later(self, prompt_ids, params):
+        calls.append(1)
+        if len(calls) == 10:  # block 1 (4 methods x 2 turns), then mid-block 2
+            raise KeyboardInterrupt
+        return real(self, prompt_ids, params)
+
+    monkeypatch.setattr(bench_methods.EngineRunner, "generate", interrupt_later)
+    out = tmp_path / "partial"
+    with corrupt_registered():
+        report = make_runner(tmp_path)(out, Settings(max_tokens=4, warmup=False, progress=False))
+    assert report["partial"] is True
+    assert report["blocks_done"] == 1 and report["blocks_planned"] == 3
+    assert {r["question_id"] for r in report["runs"]} == {"1"}  # only whole blocks
+    assert "PARTIAL REPORT" in (out / "report.md").read_text()
+    assert json.loads((out / "report.json").read_text())["partial"] is True
+    assert (out / "speedup.png").is_file() and (out / "acceptance.png").is_file()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--methods", "plain,nope"], "unknown method 'nope'; valid methods: plain, "),
+        (["--questions", "no/such/file.jsonl"], "question file not found"),
+        (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--max-tokens", "0"], "max_tokens must be a positive integer"),
+    ],
+)
+def test_bad_bench_input_fails_before_loading_the_model(capsys, argv, message):
+    assert main(["bench", "--model", "no-such-model-anywhere", "--questions", "code-edit", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_needs_a_model_unless_comparing(capsys):
+    assert main(["bench"]) == 2
+    assert "--model is required" in capsys.readouterr().err

@@ -1,0 +1,335 @@
+"""Figures, equality check, report files and the diff of two reports.
+
+Figures per method, per category and ``overall`` (all runs of every turn and repeat pooled):
+
+* ``tok_s`` -- generated tokens / wall time of the whole call (prefill included; end to end);
+  ``decode_tok_s`` -- tokens after the first / (wall time - prefill). Prefill ends when the
+  first token exists, so for verispec methods it includes the drafter's ``start``; for
+  transformers' assisted generation, whose first push is a whole round, the tokens of that
+  push count as prefill output.
+* ``speedup`` / ``decode_speedup`` -- the method's tok/s over verispec ``plain``'s, same runs.
+* ``mean_acceptance_length``, ``acceptance_rate``, ``per_position_acceptance``, ``c`` and
+  ``alpha`` -- from the pooled :class:`~verispec.spec.metrics.SpecMetrics` (verispec methods
+  only), with T_target(1) taken from plain decoding in the same category;
+  ``draft_share`` / ``verify_share`` -- drafting / verify-pass time over decode time.
+* ``identical`` -- at T = 0, how many runs are token-identical to plain decoding's answer to
+  the same turn of the same question in the same repeat (plain itself is compared with its
+  first repeat), and ``first_divergence`` (question, turn, repeat, token index). transformers
+  and llama.cpp run other kernels, so their greedy answers may part from verispec's after a
+  near tie in the logits; the report shows that, it does not hide it.
+* ``tok_s_by_repeat`` -- overall tok/s of each repeat, so drift over the run is visible.
+
+Goals (the issue's): verispec's best speculative method >= 2x the best ``hf:assisted`` tok/s,
+verispec plain >= 1.5x ``hf:plain``, and every verispec answer at T = 0 identical to plain.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from verispec.bench.methods import PLAIN, MethodSpec
+from verispec.bench.runner import BenchResult, Run, Settings
+from verispec.bench.workloads import Workload
+from verispec.spec.metrics import SpecMetrics
+
+OVERALL = "overall"
+GOAL_VS_HF_ASSISTED = 2.0
+GOAL_PLAIN_VS_HF_PLAIN = 1.5
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token; the shorter length if one is a prefix; None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def divergences(runs: list[Run], greedy: bool) -> list[int | None | str]:
+    """Per run: None (identical to plain), the first differing index, or "n/a" (no reference)."""
+    plain = {(r.question_id, r.turn, r.repeat): r.result.output_ids for r in runs if r.method == PLAIN}
+    out: list[int | None | str] = []
+    for r in runs:
+        ref = plain.get((r.question_id, r.turn, 0 if r.method == PLAIN else r.repeat))
+        out.append("n/a" if not greedy or ref is None else first_divergence(r.result.output_ids, ref))
+    return out
+
+
+def aggregate(runs: list[Run], div: list, labels: list[str], categories: list[str]) -> dict:
+    results: dict[str, dict[str, dict]] = {}
+    for label in labels:
+        results[label] = {}
+        for cat in [*categories, OVERALL]:
+            idx = [i for i, r in enumerate(runs) if r.method == label and cat in (OVERALL, r.category)]
+            if idx:
+                plain = results[PLAIN].get(cat) if label != PLAIN else None
+                results[label][cat] = _figures([runs[i] for i in idx], [div[i] for i in idx], plain)
+    return results
+
+
+def _figures(sel: list[Run], div: list, plain: dict | None) -> dict:
+    tokens = sum(len(r.result.output_ids) for r in sel)
+    total = sum(r.result.total_s for r in sel)
+    decode = total - sum(r.result.prefill_s for r in sel)
+    decode_tokens = sum(max(len(r.result.output_ids) - r.result.first_tokens, 0) for r in sel)
+    tok_s = tokens / total if total > 0 else None
+    decode_tok_s = decode_tokens / decode if decode > 0 and decode_tokens else None
+    fig: dict[str, Any] = {
+        "questions": len({r.question_id for r in sel}), "turns": len(sel), "output_tokens": tokens,
+        "total_s": total, "decode_s": decode, "tok_s": tok_s, "decode_tok_s": decode_tok_s,
+        "speedup": _ratio(tok_s, plain["tok_s"]) if plain else (1.0 if tok_s else None),
+        "decode_speedup": _ratio(decode_tok_s, plain["decode_tok_s"]) if plain else (1.0 if decode_tok_s else None),
+    }
+    merged = SpecMetrics()
+    have_metrics = all(r.result.metrics is not None for r in sel)
+    for r in sel:
+        if r.result.metrics is not None:
+            merged.merge(r.result.metrics)
+    fig["_t1"] = merged.target_step_time(1)
+    s = merged.summary(plain["_t1"] if plain else None) if have_metrics else {}
+    for key in ("mean_acceptance_length", "acceptance_rate", "per_position_acceptance", "c", "alpha",
+                "target_step_time_s", "draft_time_s", "verify_time_s"):
+        fig[key] = s.get(key)
+    fig["draft_share"] = _ratio(s.get("draft_time_s"), decode) if have_metrics else None
+    fig["verify_share"] = _ratio(s.get("verify_time_s"), decode) if have_metrics else None
+    compared = [(r, d) for r, d in zip(sel, div) if d != "n/a"]
+    diverged = [(r, d) for r, d in compared if d is not None]
+    fig["compared"] = len(compared)
+    fig["identical"] = len(compared) - len(diverged) if compared else None
+    fig["first_divergence"] = ({"question_id": diverged[0][0].question_id, "turn": diverged[0][0].turn,
+                                "repeat": diverged[0][0].repeat, "index": diverged[0][1]} if diverged else None)
+    repeats = sorted({r.repeat for r in sel})
+    fig["tok_s_by_repeat"] = [_ratio(sum(len(r.result.output_ids) for r in sel if r.repeat == k),
+                                     sum(r.result.total_s for r in sel if r.repeat == k)) for k in repeats]
+    return fig
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def goals(results: dict, specs: list[MethodSpec], greedy: bool) -> dict:
+    def overall(pred) -> list[tuple[float, str]]:
+        return sorted(((results[s.label][OVERALL]["tok_s"] or 0.0, s.label) for s in specs
+                       if pred(s) and OVERALL in results[s.label]), reverse=True)
+
+    ours = overall(lambda s: s.backend == "verispec" and not s.is_plain)
+    assisted = overall(lambda s: s.backend == "hf" and s.name == "assisted")
+    plain, hf_plain = overall(lambda s: s.is_plain), overall(lambda s: s.backend == "hf" and s.name == "plain")
+
+    def goal(a: list, b: list, target: float) -> dict:
+        value = _ratio(a[0][0], b[0][0]) if a and b else None
+        return {"ours": a[0][1] if a else None, "theirs": b[0][1] if b else None, "ratio": value,
+                "goal": target, "met": None if value is None else value >= target}
+
+    ours_runs = [(s.label, results[s.label].get(OVERALL, {})) for s in specs if s.backend == "verispec"]
+    compared = sum(f.get("compared") or 0 for _, f in ours_runs)
+    same = sum(f.get("identical") or 0 for _, f in ours_runs)
+    return {
+        "best_verispec_vs_hf_assisted": goal(ours, assisted, GOAL_VS_HF_ASSISTED),
+        "verispec_plain_vs_hf_plain": goal(plain, hf_plain, GOAL_PLAIN_VS_HF_PLAIN),
+        "verispec_t0_identical": {"identical": same, "compared": compared,
+                                  "met": (same == compared) if greedy and compared else None},
+    }
+
+
+def build_report(result: BenchResult, specs: list[MethodSpec], workload: Workload, settings: Settings,
+                 meta: dict) -> dict:
+    """Everything about one benchmark run, as one JSON-ready dict."""
+    labels = [s.label for s in specs]
+    categories = list(dict.fromkeys(q.category for q in workload.questions))
+    greedy = settings.temperature == 0
+    div = divergences(result.runs, greedy)
+    results = aggregate(result.runs, div, labels, categories)
+    for by_cat in results.values():
+        for fig in by_cat.values():
+            fig.pop("_t1")
+    done = {(r.question_id, r.repeat) for r in result.runs}
+    return {
+        "partial": result.partial,
+        **meta,
+        "settings": {"max_tokens": settings.max_tokens, "temperature": settings.temperature,
+                     "repeats": settings.repeats, "seed": settings.seed, "warmup": settings.warmup},
+        "workload": {"name": workload.name, "source": workload.source, "categories": categories,
+                     "questions": [{"question_id": q.question_id, "category": q.category, "turns": len(q.turns)}
+                                   for q in workload.questions]},
+        "methods": [{"label": s.label, "backend": s.backend, "name": s.name, "arg": s.arg, "options": s.options}
+                    for s in specs],
+        "blocks_done": len(done),
+        "blocks_planned": len(workload.questions) * settings.repeats,
+        "wall_s": result.wall_s,
+        "results": results,
+        "goals": goals(results, specs, greedy),
+        "runs": [
+            {"method": r.method, "question_id": r.question_id, "category": r.category, "turn": r.turn,
+             "repeat": r.repeat, "order": r.order, "prompt_tokens": r.prompt_tokens,
+             "output_tokens": len(r.result.output_ids), "total_s": r.result.total_s,
+             "prefill_s": r.result.prefill_s, "finish_reason": r.result.finish_reason,
+             "mean_acceptance_length": r.result.metrics.mean_acceptance_length if r.result.metrics else None,
+             "first_divergence": None if d == "n/a" else d, "compared": d != "n/a",
+             "output_ids": r.result.output_ids}
+            for r, d in zip(result.runs, div)
+        ],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------------------------
+
+
+def _f(v: float | None, spec: str = ".2f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def _identical(fig: dict) -> str:
+    if fig["identical"] is None:
+        return "n/a"
+    text = f"{fig['identical']}/{fig['compared']}"
+    d = fig["first_divergence"]
+    if d:
+        text += f" (q{d['question_id']} turn {d['turn'] + 1} @ {d['index']})"
+    return text
+
+
+def render_markdown(report: dict) -> str:
+    m, s, w = report["machine"], report["settings"], report["workload"]
+    cats = [*w["categories"], OVERALL]
+    lines = ["# verispec bench report", ""]
+    if report["partial"]:
+        lines += [f"**PARTIAL REPORT: interrupted after {report['blocks_done']} of {report['blocks_planned']} "
+                  "(question, repeat) blocks.**", ""]
+    lines += [
+        f"- command: `{report['command']}`",
+        f"- date: {m['date']}; machine: {m['cpu']}, {m['cpu_count']} CPUs, {m['torch_threads']} torch threads, "
+        f"torch {m['torch']}, transformers {m['transformers']}"
+        + (f", GPU {m['cuda']}" if m.get("cuda") else "")
+        + f"; load average {_f(m['loadavg_start'])} at start, {_f(m.get('loadavg_end'))} at end",
+        f"- model: {report['model']} ({report['dtype']}); T = {s['temperature']:g}; up to {s['max_tokens']} tokens "
+        f"per turn; {s['repeats']} repeat(s); workload {w['name']}: "
+        + ", ".join(f"{c} {sum(1 for q in w['questions'] if q['category'] == c)}" for c in w["categories"])
+        + f" questions; wall time {report['wall_s'] / 60:.1f} min",
+        "",
+        "## Speedup over verispec plain (end to end tok/s ratio)",
+        "",
+        "| method | " + " | ".join(cats) + " |",
+        "|---|" + "---:|" * len(cats),
+    ]
+    for label, by_cat in report["results"].items():
+        cells = [f"{_f(by_cat[c]['speedup'])}x" if c in by_cat else "-" for c in cats]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += [
+        "", "## Details", "",
+        "| method | category | tok/s | speedup | decode tok/s | decode speedup | mean acc len | acc rate "
+        "| per-position acc | draft / verify share | c | alpha | identical to plain |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
+    ]
+    for label, by_cat in report["results"].items():
+        for c in cats:
+            if c not in by_cat:
+                continue
+            f = by_cat[c]
+            pos = " ".join(f"{a:.2f}" for a in f["per_position_acceptance"] or []) or "-"
+            share = "n/a" if f["draft_share"] is None else f"{f['draft_share']:.0%} / {f['verify_share']:.0%}"
+            lines.append(
+                f"| {label} | {c} | {_f(f['tok_s'])} | {_f(f['speedup'])}x | {_f(f['decode_tok_s'])} | "
+                f"{_f(f['decode_speedup'])}x | {_f(f['mean_acceptance_length'])} | {_f(f['acceptance_rate'])} | "
+                f"{pos} | {share} | {_f(f['c'], '.3f')} | {_f(f['alpha'], '.3f')} | {_identical(f)} |")
+    if any(m["backend"] != "verispec" for m in report["methods"]):
+        lines += ["", "transformers and llama.cpp compute with other kernels than verispec, so at T = 0 their "
+                  "answers may part from verispec plain's after a near tie in the logits; the identity column "
+                  "reports it as measured."]
+    lines += ["", "## Goals", ""] + _goal_lines(report["goals"])
+    drift = [f"{label} " + " / ".join(_f(v) for v in by_cat[OVERALL]["tok_s_by_repeat"])
+             for label, by_cat in report["results"].items() if OVERALL in by_cat]
+    if s["repeats"] > 1:
+        lines += ["", "Overall tok/s per repeat (drift): " + "; ".join(drift)]
+    return "\n".join(lines) + "\n"
+
+
+def _goal_lines(g: dict) -> list[str]:
+    def status(met: bool | None) -> str:
+        return "not measured" if met is None else ("met" if met else "NOT met")
+
+    a, p, t = g["best_verispec_vs_hf_assisted"], g["verispec_plain_vs_hf_plain"], g["verispec_t0_identical"]
+    return [
+        f"- best verispec method vs hf:assisted: {a['ours'] or '-'} / {a['theirs'] or '-'} = {_f(a['ratio'])}x "
+        f"(goal >= {a['goal']}x: {status(a['met'])})",
+        f"- verispec plain vs hf:plain: {_f(p['ratio'])}x (goal >= {p['goal']}x: {status(p['met'])})",
+        f"- verispec answers identical to plain at T = 0: {t['identical']}/{t['compared']} ({status(t['met'])})",
+    ]
+
+
+def summary_json(report: dict) -> str:
+    """The report without its per-run records, as one line."""
+    return json.dumps({k: v for k, v in report.items() if k != "runs"})
+
+
+def write_report(report: dict, out: Path) -> list[Path]:
+    from verispec.bench.plots import plot_acceptance, plot_speedup
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "report.json", out / "report.md", out / "speedup.png", out / "acceptance.png"]
+    files[0].write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    md = render_markdown(report) + "\n![speedup](speedup.png)\n\n![acceptance by position](acceptance.png)\n"
+    files[1].write_text(md, encoding="utf-8")
+    plot_speedup(report, files[2])
+    plot_acceptance(report, files[3])
+    return files
+
+
+# ---------------------------------------------------------------------------------------------
+# --compare
+# ---------------------------------------------------------------------------------------------
+
+
+def load_report(path: Path) -> dict:
+    try:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no such report: {path}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not a JSON report ({exc})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("results"), dict):
+        raise ValueError(f"{path} is not a verispec bench report (no 'results')")
+    return report
+
+
+def compare_reports(a: dict, b: dict, name_a: str = "A", name_b: str = "B") -> str:
+    """A Markdown diff of two reports: tok/s and speedup per method and category."""
+    lines = [f"# verispec bench: {name_a} (A) vs {name_b} (B)", ""]
+    for key in ("model", "dtype"):
+        if a.get(key) != b.get(key):
+            lines.append(f"- note: {key} differs: A {a.get(key)}, B {b.get(key)}")
+    wa, wb = (r.get("workload", {}) for r in (a, b))
+    if (wa.get("name"), wa.get("questions")) != (wb.get("name"), wb.get("questions")):
+        lines.append(f"- note: the questions differ: A {wa.get('name')}, B {wb.get('name')}")
+    if a.get("settings") != b.get("settings"):
+        lines.append(f"- note: settings differ: A {a.get('settings')}, B {b.get('settings')}")
+    for rep, name in ((a, "A"), (b, "B")):
+        if rep.get("partial"):
+            lines.append(f"- note: report {name} is partial")
+    lines += ["", "| method | category | tok/s A | tok/s B | change | speedup A | speedup B | change |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    only: list[str] = []
+    for label in dict.fromkeys([*a["results"], *b["results"]]):
+        ra, rb = a["results"].get(label), b["results"].get(label)
+        if ra is None or rb is None:
+            only.append(f"{label} (only in {'B' if ra is None else 'A'})")
+            continue
+        for cat in dict.fromkeys([*ra, *rb]):
+            fa, fb = ra.get(cat), rb.get(cat)
+            if fa is None or fb is None:
+                only.append(f"{label} / {cat} (only in {'B' if fa is None else 'A'})")
+                continue
+            rel = _ratio(fb["tok_s"], fa["tok_s"])
+            delta = None if fa["speedup"] is None or fb["speedup"] is None else fb["speedup"] - fa["speedup"]
+            lines.append(f"| {label} | {cat} | {_f(fa['tok_s'])} | {_f(fb['tok_s'])} | "
+                         f"{'n/a' if rel is None else format(rel - 1, '+.1%')} | {_f(fa['speedup'])}x | "
+                         f"{_f(fb['speedup'])}x | {'n/a' if delta is None else format(delta, '+.2f')} |")
+    if only:
+        lines += ["", "Not in both: " + "; ".join(only)]
+    return "\n".join(lines) + "\n"

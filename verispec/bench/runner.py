@@ -1,0 +1,134 @@
+"""The benchmark loop: every method on the same prompts, interleaved, in one process.
+
+:func:`run_bench` takes runners that are already built (so tests can hand in tiny models and
+the CLI stays a thin layer) and runs, for each question and each repeat, every method in turn.
+The method that goes first rotates from one (question, repeat) block to the next, so a slow
+drift of the machine (thermal throttling, a neighbour's job) spreads over all methods instead
+of landing on whichever runs last, and per-repeat figures show it.
+
+Multi-turn questions run turn by turn within a method: turn 2's prompt carries the method's
+own decoded answer to turn 1 (see :func:`verispec.bench.workloads.turn_messages`). At T = 0
+every method's answers are compared with plain decoding's for the same question, turn and
+repeat in :mod:`verispec.bench.report`.
+
+Sampling (T > 0) uses one seed per (question, turn, repeat), the same for every method.
+
+Ctrl-C stops the loop; the (question, repeat) blocks that every method finished are returned
+with ``partial`` set, so a partial report still compares methods on the same questions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from verispec.bench.methods import Runner, TurnResult
+from verispec.bench.workloads import PromptFormat, Question, turn_messages
+from verispec.config import SamplingParams
+
+WARMUP_PROMPT = "Say hello."
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Settings:
+    max_tokens: int
+    temperature: float = 0.0
+    repeats: int = 1
+    seed: int = 0
+    warmup: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
+        SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens)  # validates both
+
+    def params(self, seed: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens,
+                              seed=None if self.temperature == 0 else seed)
+
+
+@dataclass
+class Run:
+    """One method's answer to one turn of one question."""
+
+    method: str
+    question_id: str
+    category: str
+    turn: int
+    repeat: int
+    order: int  # position of the method within its (question, repeat) block
+    prompt_tokens: int
+    result: TurnResult
+
+
+@dataclass
+class BenchResult:
+    runs: list[Run]
+    partial: bool
+    wall_s: float
+
+
+def run_bench(
+    runners: dict[str, Runner],
+    questions: Sequence[Question],
+    fmt: PromptFormat,
+    settings: Settings,
+) -> BenchResult:
+    """Run every runner on every question; ``runners`` maps method label -> runner, plain first."""
+    labels = list(runners)
+    runs: list[Run] = []
+    t0 = time.perf_counter()
+    total = sum(len(q.turns) for q in questions) * settings.repeats * len(labels)
+    bar = tqdm(total=total, desc="bench", unit="turn", disable=not settings.progress, dynamic_ncols=True)
+    partial = True
+    try:
+        if settings.warmup:
+            warm = fmt.encode([{"role": "user", "content": WARMUP_PROMPT}])
+            params = SamplingParams(temperature=settings.temperature, seed=0,
+                                    max_tokens=min(WARMUP_TOKENS, settings.max_tokens))
+            for label in labels:
+                bar.set_postfix_str(f"warm-up {label}")
+                runners[label].generate(warm, params)
+        for qi, q in enumerate(questions):
+            for repeat in range(settings.repeats):
+                block: list[Run] = []
+                shift = (qi * settings.repeats + repeat) % len(labels)
+                for order, label in enumerate(labels[shift:] + labels[:shift]):
+                    bar.set_postfix_str(f"{q.category} q{q.question_id} {label}")
+                    block += _run_question(runners[label], label, q, qi, repeat, order, fmt, settings, bar)
+                runs += block  # only whole blocks: every method on the same questions
+        partial = False
+    except KeyboardInterrupt:
+        pass
+    finally:
+        bar.close()
+    return BenchResult(runs, partial, time.perf_counter() - t0)
+
+
+def _run_question(runner: Runner, label: str, q: Question, qi: int, repeat: int, order: int,
+                  fmt: PromptFormat, settings: Settings, bar: tqdm) -> list[Run]:
+    answers: list[str] = []
+    out: list[Run] = []
+    for turn in range(len(q.turns)):
+        prompt_ids = fmt.encode(turn_messages(q, answers))
+        seed = settings.seed + (qi * 100 + turn) * 100 + repeat
+        result = runner.generate(prompt_ids, settings.params(seed))
+        out.append(Run(label, q.question_id, q.category, turn, repeat, order, len(prompt_ids), result))
+        answers.append(fmt.decode(result.output_ids))
+        bar.update(1)
+    return out
+
+
+def max_model_len(questions: Sequence[Question], fmt: PromptFormat, max_tokens: int, slack: int = 64) -> int:
+    """KV positions the longest conversation can need: its user turns, every answer, and drafts."""
+    need = 0
+    for q in questions:
+        placeholders = [""] * (len(q.turns) - 1)
+        prompt = len(fmt.encode(turn_messages(q, placeholders)))
+        need = max(need, prompt + len(q.turns) * max_tokens)
+    return need + slack

@@ -1,0 +1,167 @@
+"""Benchmark workloads: question files, category selection and chat prompts.
+
+A workload is a list of :class:`Question`: an id, a category and one or more user turns, the
+schema of Spec-Bench's ``question.jsonl`` (one JSON object per line with ``question_id``,
+``category`` and ``turns``). Three sources share it:
+
+* ``spec-bench`` -- Spec-Bench's own file (Xia et al. 2024), found through
+  ``$VERISPEC_SPEC_BENCH`` or at ``../shared/data/spec_bench/question.jsonl`` relative to the
+  current directory; verispec does not ship it.
+* ``code-edit`` -- a small built-in set of "rewrite this code with X changed" prompts, where the
+  answer copies much of the prompt (the case prompt-lookup drafters are made for).
+* any other value is the path of a user's JSONL file in the same schema.
+
+Categories. ``--categories`` names the categories to run, each reported as one group. A name is
+either a category of the file, or ``mt_bench``, Spec-Bench's label for the eight MT-bench
+categories (writing, roleplay, reasoning, math, coding, extraction, stem, humanities). Spec-Bench
+defaults to its six task groups; other files default to every category they contain. Within a
+group, questions are taken round-robin over the file categories it covers, in file order, so
+``mt_bench`` with 3 questions takes one writing, one roleplay and one reasoning question.
+
+Multi-turn questions run turn by turn, as in Spec-Bench: turn ``i``'s prompt is the chat of
+every earlier user turn and the method's own earlier answers, plus user turn ``i``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Protocol
+
+SPEC_BENCH_ENV = "VERISPEC_SPEC_BENCH"
+SPEC_BENCH_RELATIVE = Path("../shared/data/spec_bench/question.jsonl")
+MT_BENCH = "mt_bench"
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+SPEC_BENCH_GROUPS = (MT_BENCH, "translation", "summarization", "qa", "math_reasoning", "rag")
+BUILTIN_WORKLOADS = ("spec-bench", "code-edit")
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: str
+    category: str  # the group it is reported under (a --categories name)
+    turns: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str  # "spec-bench", "code-edit" or the file path
+    source: str  # the file actually read
+    questions: tuple[Question, ...]
+
+
+def load_workload(spec: str, categories: Sequence[str] | None, num_questions: int) -> Workload:
+    """Resolve ``spec``, read its questions and pick ``num_questions`` per category."""
+    if num_questions < 1:
+        raise ValueError(f"--num-questions must be at least 1, got {num_questions}")
+    default: Sequence[str] | None = None
+    if spec == "code-edit":
+        source = "verispec.bench/data/code_edit.jsonl"
+        text = resources.files("verispec.bench").joinpath("data/code_edit.jsonl").read_text(encoding="utf-8")
+    else:
+        if spec == "spec-bench":
+            path, default = spec_bench_path(), SPEC_BENCH_GROUPS
+        else:
+            path = Path(spec)
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"question file not found: {spec} (give a JSONL file or one of: {', '.join(BUILTIN_WORKLOADS)})"
+                )
+        source, text = str(path), path.read_text(encoding="utf-8")
+    rows = read_jsonl(text, source)
+    wanted = list(categories or default or dict.fromkeys(r["category"] for r in rows))
+    return Workload(spec, source, tuple(select(rows, wanted, num_questions, source)))
+
+
+def spec_bench_path() -> Path:
+    """Where Spec-Bench's ``question.jsonl`` is: ``$VERISPEC_SPEC_BENCH``, else next to the repo."""
+    env = os.environ.get(SPEC_BENCH_ENV)
+    candidates = [Path(env)] if env else [SPEC_BENCH_RELATIVE]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"Spec-Bench's question.jsonl was not found at {candidates[0]} "
+        f"({'from $' + SPEC_BENCH_ENV if env else 'relative to the current directory'}). verispec does "
+        f"not ship it: get data/spec_bench/question.jsonl from the Spec-Bench repository and set "
+        f"{SPEC_BENCH_ENV}=PATH, or pass --questions PATH"
+    )
+
+
+def read_jsonl(text: str, where: str) -> list[dict[str, Any]]:
+    """Parse and check question rows: ``question_id``, ``category`` and a non-empty ``turns`` list."""
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}:{lineno}: not valid JSON ({exc})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        missing = [key for key in ("question_id", "category", "turns") if key not in row]
+        if missing:
+            raise ValueError(f"{where}:{lineno}: missing key(s) {', '.join(missing)}")
+        turns = row["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise ValueError(f"{where}:{lineno}: 'turns' must be a non-empty list of non-empty strings")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{where}: no questions")
+    return rows
+
+
+def select(rows: list[dict[str, Any]], categories: Sequence[str], n: int, where: str) -> list[Question]:
+    """``n`` questions per requested category (round-robin over the file categories it covers)."""
+    present = list(dict.fromkeys(r["category"] for r in rows))
+    out: list[Question] = []
+    for group in dict.fromkeys(categories):
+        covered = [c for c in MT_BENCH_CATEGORIES if c in present] if group == MT_BENCH else [group]
+        if not any(c in present for c in covered):
+            choices = present + ([MT_BENCH] if any(c in present for c in MT_BENCH_CATEGORIES) else [])
+            raise ValueError(f"{where} has no category {group!r}; it has: {', '.join(choices)}")
+        queues = [[r for r in rows if r["category"] == c] for c in covered]
+        picked: list[dict[str, Any]] = []
+        while len(picked) < n and any(queues):
+            for queue in queues:
+                if queue and len(picked) < n:
+                    picked.append(queue.pop(0))
+        out.extend(Question(str(r["question_id"]), group, tuple(r["turns"])) for r in picked)
+    return out
+
+
+class PromptFormat(Protocol):
+    """How a conversation becomes prompt ids, and generated ids become text."""
+
+    def encode(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ChatFormat:
+    """The target's chat template (raw concatenated turns when the model has none)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer.has_chat_template:
+            return self.tokenizer.apply_chat_template(messages)
+        return self.tokenizer.encode("\n\n".join(m["content"] for m in messages))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+def turn_messages(question: Question, answers: Sequence[str]) -> list[dict[str, str]]:
+    """The conversation for turn ``len(answers)``: earlier turns with their answers, then the next turn."""
+    messages: list[dict[str, str]] = []
+    for turn, answer in zip(question.turns, answers):
+        messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": question.turns[len(answers)]})
+    return messages
