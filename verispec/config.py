@@ -63,6 +63,7 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    quantization: str = "none"  # the draft model's weights: none, int8 or int4 (CPU)
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):

@@ -166,10 +166,14 @@ def cpu_has_native_bf16() -> bool:
     return bool(cpu) and any(getattr(cpu, name, lambda: False)() for name in checks)
 
 
-def linear(layer: nn.Linear, x: Tensor, fp32: bool) -> Tensor:
-    """``layer(x)``, computed in float32 (and cast back) when ``fp32`` is set."""
-    if not fp32:
-        return F.linear(x, layer.weight, layer.bias)
+def linear(layer: nn.Module, x: Tensor, fp32: bool) -> Tensor:
+    """``layer(x)``, computed in float32 (and cast back) when ``fp32`` is set.
+
+    Only dense ``nn.Linear`` layers switch to float32; packed quantized layers
+    (:mod:`verispec.models.quant`) always run their own bf16 kernel.
+    """
+    if not fp32 or not isinstance(layer, nn.Linear):
+        return layer(x)
     bias = None if layer.bias is None else layer.bias.float()
     return F.linear(x.float(), layer.weight.float(), bias).to(x.dtype)
 
@@ -269,8 +273,6 @@ class Decoder(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def lm_head_weight(self) -> Tensor:
-        return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def new_cache(self, max_len: int, num_slots: int = 1, block: int = 256) -> KVCache:
         c = self.config
@@ -330,7 +332,8 @@ class Decoder(nn.Module):
             hidden.append(x)
         if num_logits is not None:
             x = x[:, -num_logits:]
-        logits = F.linear(x, self.lm_head_weight()).float()
+        head = self.lm_head  # None: tied to the embedding table; else nn.Linear or a quantized layer
+        logits = (F.linear(x, self.embed.weight) if head is None else head(x)).float()
         return DecoderOutput(logits, hidden) if output_hidden_states else logits
 
     def _mask(
