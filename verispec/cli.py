@@ -51,6 +51,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    "default none). The draft's is set by the speculative config's 'quantization'")
     g.add_argument("--quantization-group-size", type=int, default=32, choices=(32, 64, 128),
                    help="int4 group size (default 32)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="torch.compile the target's decode/verify steps (default off: on CPUs "
+                   "without native bf16 it is slower and each shape bucket compiles for tens of seconds)")
     g.add_argument("--max-model-len", type=int, default=4096, help="KV cache length in tokens (default 4096)")
     spec = g.add_argument_group("speculative decoding (vLLM-compatible)")
     spec.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -87,6 +90,7 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from verispec.engine.engine import Engine
+    from verispec.models.compile import compile_decoder
     from verispec.models.loader import load_model
     from verispec.runtime import set_threads
     from verispec.spec.base import check_method
@@ -105,6 +109,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     target = load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                         group_size=args.quantization_group_size)
+    if args.compile:
+        compile_decoder(target.model)
     use_chat = target.tokenizer.has_chat_template if args.chat is None else args.chat
     if use_chat:
         prompt_ids = target.tokenizer.apply_chat_template(args.prompt, system=args.system)

@@ -115,3 +115,15 @@ def test_default_threads_are_the_usable_physical_cores():
             set_threads(0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_cli_flags_reach_the_parser():
+    from verispec.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "m", "p", "--quantization", "int4", "--quantization-group-size",
+                                      "64", "--compile", "--threads", "1"])
+    assert (args.quantization, args.quantization_group_size, args.compile, args.threads) == ("int4", 64, True, 1)
+    defaults = build_parser().parse_args(["generate", "m", "p"])
+    assert (defaults.quantization, defaults.compile, defaults.threads) == ("none", False, None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "m", "p", "--quantization", "int3"])
