@@ -109,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="max generated tokens per question (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype of both models (default: %(default)s)")
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                   help="packed weights for both models (default: %(default)s)")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="comma-separated name:k list; plain is always included (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="skip the short untimed warm-up run of each engine")
@@ -194,7 +196,8 @@ def build_engines(args: argparse.Namespace, target: Any, max_model_len: int, dty
         if m.name == "draft_model":
             if shared_drafter is None:
                 log(f"loading draft {args.draft} ...")
-                draft = load_model(args.draft, device=target.model.device, dtype=dtype)
+                draft = load_model(args.draft, device=target.model.device, dtype=dtype,
+                                   quantization=args.quantization)
                 check_vocab_compatible(target, draft)
                 shared_drafter = DraftModelDrafter(draft, target.model.config.vocab_size, max_model_len)
             config = SpeculativeConfig(method="draft_model", num_speculative_tokens=m.k, model=args.draft)
@@ -353,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     questions = select_questions(args.questions, args.num_questions)
 
     log(f"loading target {args.target} ...")
-    target = load_model(args.target, dtype=dtype)
+    target = load_model(args.target, dtype=dtype, quantization=args.quantization)
     prompts = {q["question_id"]: target.tokenizer.apply_chat_template(q["turns"][0]) for q in questions}
     max_k = max(m.k for m in methods)
     max_model_len = max(len(p) for p in prompts.values()) + args.max_tokens + max_k + 8

@@ -76,7 +76,8 @@ class CompiledSteps(LayerSteps):
 def compile_decoder(model: Decoder) -> Decoder:
     """Make ``model`` run its decode and verify steps compiled (in place); returns it.
 
-    Compilation itself happens lazily, on the first pass of each bucket.
+    Compilation itself happens lazily, on the first pass of each bucket. Verify passes are
+    compiled, and so exact, up to the last bucket: k + 1 <= 64 draft positions.
     """
     model.steps = CompiledSteps()
     return model
