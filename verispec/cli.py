@@ -47,7 +47,16 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     g.add_argument("--dtype", default="auto", help="auto, bfloat16, float32 or float16 (default auto)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the physical cores this process may use)")
+    g.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                   help="pack the target's linear layers: int8 per channel or int4 per group (CPU; "
+                   "default none). The draft's is set by the speculative config's 'quantization'")
+    g.add_argument("--quantization-group-size", type=int, default=32, choices=(32, 64, 128),
+                   help="int4 group size (default 32)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="torch.compile the target's decode/verify steps (default off: on CPUs "
+                   "without native bf16 it is slower and each shape bucket compiles for tens of seconds)")
     g.add_argument("--max-model-len", type=int, default=4096, help="KV cache length in tokens (default 4096)")
     spec = g.add_argument_group("speculative decoding (vLLM-compatible)")
     spec.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -88,10 +97,10 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
     from verispec.engine.engine import Engine
+    from verispec.models.compile import compile_decoder
     from verispec.models.loader import load_model
+    from verispec.runtime import set_threads
     from verispec.spec.base import check_method
 
     # Validate everything cheap before loading gigabytes.
@@ -104,10 +113,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_method(spec.method)
     if not args.prompt:
         raise ValueError("the prompt is empty")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
 
-    target = load_model(args.model, device=args.device, dtype=args.dtype)
+    target = load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                        group_size=args.quantization_group_size)
+    if args.compile:
+        compile_decoder(target.model)
     use_chat = target.tokenizer.has_chat_template if args.chat is None else args.chat
     if use_chat:
         prompt_ids = target.tokenizer.apply_chat_template(args.prompt, system=args.system)

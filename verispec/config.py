@@ -67,6 +67,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     adaptive: bool = True
+    quantization: str = "none"  # the draft model's weights: none, int8 or int4 (CPU)
 
     def __post_init__(self) -> None:
         if not isinstance(self.adaptive, bool):

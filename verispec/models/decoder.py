@@ -166,10 +166,14 @@ def cpu_has_native_bf16() -> bool:
     return bool(cpu) and any(getattr(cpu, name, lambda: False)() for name in checks)
 
 
-def linear(layer: nn.Linear, x: Tensor, fp32: bool) -> Tensor:
-    """``layer(x)``, computed in float32 (and cast back) when ``fp32`` is set."""
-    if not fp32:
-        return F.linear(x, layer.weight, layer.bias)
+def linear(layer: nn.Module, x: Tensor, fp32: bool) -> Tensor:
+    """``layer(x)``, computed in float32 (and cast back) when ``fp32`` is set.
+
+    Only dense ``nn.Linear`` layers switch to float32; packed quantized layers
+    (:mod:`verispec.models.quant`) always run their own bf16 kernel.
+    """
+    if not fp32 or not isinstance(layer, nn.Linear):
+        return layer(x)
     bias = None if layer.bias is None else layer.bias.float()
     return F.linear(x.float(), layer.weight.float(), bias).to(x.dtype)
 
@@ -218,23 +222,50 @@ class DecoderLayer(nn.Module):
         mask: Tensor,  # [B, 1, T, S] bool, True = attend
         attend_len: int,
         fp32: bool,  # compute matmuls in float32 (long prefill on CPUs without bf16 units)
+        steps: LayerSteps,  # runs the two dense halves (eager or compiled)
     ) -> Tensor:
         b, t, _ = x.shape
-        q, k, v = linear(self.qkv, self.input_norm(x), fp32).split(self.split, dim=-1)
-        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k, v = steps.attention_inputs(self, x, cos, sin, fp32)
         cache.write(layer, slots, k, v)
         keys, values = cache.view(layer, slots, attend_len)  # [B, Hkv, S, D]
         if fp32:
             attn = grouped_attention(q.float(), keys.float(), values.float(), mask).to(x.dtype)
         else:
             attn = grouped_attention(q, keys, values, mask)  # [B, H, T, D]
-        x = x + linear(self.o_proj, attn.transpose(1, 2).reshape(b, t, -1), fp32)
+        return steps.output(self, x, attn.transpose(1, 2).reshape(b, t, -1), fp32)
+
+    def attention_inputs(self, x: Tensor, cos: Tensor, sin: Tensor, fp32: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """Norm, fused q/k/v projection and RoPE: q [B, H, T, D], k and v [B, Hkv, T, D]. Row-wise."""
+        b, t, _ = x.shape
+        q, k, v = linear(self.qkv, self.input_norm(x), fp32).split(self.split, dim=-1)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def output(self, x: Tensor, attn: Tensor, fp32: bool) -> Tensor:
+        """Output projection and MLP, each with its residual; attn is [B, T, H*D]. Row-wise."""
+        x = x + linear(self.o_proj, attn, fp32)
         gate, up = linear(self.gate_up, self.post_attn_norm(x), fp32).chunk(2, dim=-1)
         return x + linear(self.down, F.silu(gate) * up, fp32)
+
+
+class LayerSteps:
+    """Runs a layer's two dense, row-wise halves; this one eagerly.
+
+    :mod:`verispec.models.compile` provides a compiled replacement. Everything touching the
+    KV cache stays outside these calls, so they see fixed shapes.
+    """
+
+    def attention_inputs(self, layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor,
+                         fp32: bool) -> tuple[Tensor, Tensor, Tensor]:
+        return layer.attention_inputs(x, cos, sin, fp32)
+
+    def output(self, layer: DecoderLayer, x: Tensor, attn: Tensor, fp32: bool) -> Tensor:
+        return layer.output(x, attn, fp32)
+
+
+EAGER_STEPS = LayerSteps()
 
 
 class Decoder(nn.Module):
@@ -250,6 +281,7 @@ class Decoder(nn.Module):
             config.hidden_size, config.vocab_size, bias=False
         )
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.steps = EAGER_STEPS  # verispec.models.compile.compile_decoder swaps in compiled steps
         self.requires_grad_(False)
 
     @classmethod
@@ -269,8 +301,6 @@ class Decoder(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def lm_head_weight(self) -> Tensor:
-        return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def new_cache(self, max_len: int, num_slots: int = 1, block: int = 256) -> KVCache:
         c = self.config
@@ -318,10 +348,11 @@ class Decoder(nn.Module):
             and self.device.type == "cpu"
             and not cpu_has_native_bf16()
         )
+        steps = EAGER_STEPS if fp32 else self.steps
         x = self.embed(token_ids)  # [B, T, hidden]
         hidden = [x] if output_hidden_states else None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache, i, slots, mask, attend_len, fp32)
+            x = layer(x, cos, sin, kv_cache, i, slots, mask, attend_len, fp32, steps)
             if hidden is not None and i < len(self.layers) - 1:
                 hidden.append(x)
         kv_cache.advance(slots, t)
@@ -330,7 +361,8 @@ class Decoder(nn.Module):
             hidden.append(x)
         if num_logits is not None:
             x = x[:, -num_logits:]
-        logits = F.linear(x, self.lm_head_weight()).float()
+        head = self.lm_head  # None: tied to the embedding table; else nn.Linear or a quantized layer
+        logits = (F.linear(x, self.embed.weight) if head is None else head(x)).float()
         return DecoderOutput(logits, hidden) if output_hidden_states else logits
 
     def _mask(

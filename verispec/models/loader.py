@@ -48,6 +48,7 @@ from verispec.models.gguf_convert import (
     gguf_hf_config,
     read_gguf_header,
 )
+from verispec.models.quant import DEFAULT_INT4_GROUP_SIZE, check_scheme, quantize_
 from verispec.models.registry import BUNDLED_MODELS, resolve_model
 from verispec.models.tokenizer import Tokenizer
 
@@ -174,15 +175,28 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "auto",
     progress: bool = True,
+    quantization: str = "none",
+    group_size: int = DEFAULT_INT4_GROUP_SIZE,
 ) -> LoadedModel:
     """Load a bundled model name, a Hugging Face model directory or a ``.gguf`` file.
 
-    The device and dtype are checked first, so a bad argument fails before any download or
-    conversion. A bundled model is fetched if needed; a GGUF file is converted on first use
-    (``progress`` shows a progress bar on stderr for both).
+    The device, dtype and quantization are checked first, so a bad argument fails before any
+    download or conversion. A bundled model is fetched if needed; a GGUF file is converted on
+    first use (``progress`` shows a progress bar on stderr for both). ``quantization`` (``int8``
+    or ``int4`` with ``group_size``) packs the linear layers after loading, see
+    :func:`verispec.models.quant.quantize_`.
     """
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    check_scheme(quantization, group_size)
+    if quantization != "none" and dev.type != "cpu":
+        raise ModelLoadError(f"quantization {quantization!r} runs on the CPU only; use quantization='none' on {dev}")
+    loaded = _load(spec, dev, torch_dtype, progress)
+    quantize_(loaded.model, quantization, group_size)
+    return loaded
+
+
+def _load(spec: str | Path, dev: torch.device, torch_dtype: torch.dtype, progress: bool) -> LoadedModel:
     spec_str = os.fspath(spec)
     try:
         path = resolve_model(spec_str, progress=progress)

@@ -110,6 +110,7 @@ def make_draft_model_drafter(config: SpeculativeConfig, context: DrafterContext)
     from verispec.models.loader import load_model  # the loader pulls in transformers; load lazily
 
     target = context.target
-    draft = load_model(config.model, device=target.model.device, dtype=target.model.dtype)
+    draft = load_model(config.model, device=target.model.device, dtype=target.model.dtype,
+                       quantization=config.quantization)
     check_vocab_compatible(target, draft)
     return DraftModelDrafter(draft, target.model.config.vocab_size, context.max_model_len)

@@ -1,0 +1,31 @@
+"""SmolLM2-135M with packed int8 / int4 weights: speculation matches plain decoding of the same model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from realmodels import GREEDY, MAX_MODEL_LEN, PROMPTS, prompt_ids
+from verispec.config import SpeculativeConfig
+from verispec.engine.engine import Engine
+from verispec.models.quant import quantize_
+from verispec.spec.draft_model import DraftModelDrafter
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_smollm2_quantized_target_speculation_identical(smollm, scheme):
+    target = copy.copy(smollm)
+    target.model = quantize_(copy.deepcopy(smollm.model), scheme)
+    ids = prompt_ids(target, PROMPTS[0])
+    plain = Engine(target, max_model_len=MAX_MODEL_LEN).generate(ids, GREEDY)
+    ngram = Engine(target, SpeculativeConfig(method="ngram", num_speculative_tokens=5),
+                   max_model_len=MAX_MODEL_LEN).generate(ids, GREEDY)
+    drafter = DraftModelDrafter(smollm, smollm.model.config.vocab_size, MAX_MODEL_LEN)  # bf16 draft
+    drafted = Engine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=4),
+                     max_model_len=MAX_MODEL_LEN, drafter=drafter).generate(ids, GREEDY)
+    assert ngram.output_ids == plain.output_ids
+    assert drafted.output_ids == plain.output_ids
+    assert drafted.metrics.num_accepted_tokens > 0  # drafts were accepted ...
+    assert ngram.metrics.num_accepted_tokens < ngram.metrics.num_draft_tokens  # ... and rejected

@@ -1,0 +1,129 @@
+"""Weight-only quantized linears: shapes, error against their own dequantized weight, row invariance."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from tiny import tiny_model
+from verispec.models.quant import Int4Linear, Int8Linear, QuantizationError, is_quantized, quantize_
+from verispec.runtime import physical_cores, set_threads
+
+
+def dense(n: int = 96, k: int = 128, bias: bool = True, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+
+
+LAYERS = {
+    "int8": lambda lin: Int8Linear(lin),
+    "int4-g32": lambda lin: Int4Linear(lin, 32),
+    "int4-g64": lambda lin: Int4Linear(lin, 64),
+    "int4-g128": lambda lin: Int4Linear(lin, 128),
+}
+# Largest |w - dequantized w| allowed, as a fraction of the row's (int8) or group's (int4) range.
+STEP = {"int8": 1 / 254, "int4-g32": 1 / 30, "int4-g64": 1 / 30, "int4-g128": 1 / 30}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_output_matches_dequantized_reference(name):
+    lin = dense()
+    q = LAYERS[name](lin)
+    x = torch.randn(2, 3, 128, dtype=torch.bfloat16)  # [B, T, K]
+    y = q(x)
+    assert y.shape == (2, 3, 96) and y.dtype == torch.bfloat16
+    ref = x.float() @ q.dequantize().t() + lin.bias.float()
+    assert torch.allclose(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_dequantized_weight_is_within_half_a_step(name):
+    lin = dense(bias=False)
+    w = lin.weight.float()
+    err = (LAYERS[name](lin).dequantize() - w).abs()
+    span = 2 * w.abs().amax() if name == "int8" else w.max() - w.min()
+    assert 0 < err.max() <= STEP[name] * span * 1.05  # bf16-rounded scales allow a little slack
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_rows_are_batch_invariant(name):
+    """Row i of a 5-row product equals the same row computed alone, bit for bit."""
+    q = LAYERS[name](dense(n=1536 if name == "int8" else 256, k=512))
+    x = torch.randn(5, 512, dtype=torch.bfloat16)
+    together = q(x)
+    alone = torch.cat([q(x[i : i + 1]) for i in range(5)])
+    assert torch.equal(together, alone)
+
+
+def test_quantize_replaces_every_projection_and_packs_the_head():
+    model = tiny_model(seed=3)
+    embed = model.embed.weight.clone()
+    quantize_(model, "int4")
+    assert is_quantized(model)
+    for layer in model.layers:
+        assert all(isinstance(m, Int4Linear) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+    assert isinstance(model.lm_head, Int8Linear)
+    assert torch.equal(model.embed.weight, embed)  # the lookup table stays as it was
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+
+
+def test_quantized_logits_stay_close_to_bf16_in_decode_and_long_prefill():
+    model = tiny_model(seed=4)
+    ids = torch.randint(0, 48, (1, 70))  # 70 tokens: the float32-prefill length for dense layers
+    ref = model(ids, torch.arange(70)[None], model.new_cache(128))
+    quantize_(model, "int8")
+    out = model(ids, torch.arange(70)[None], model.new_cache(128))
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert (out - ref).norm() < 0.15 * ref.norm()  # random weights amplify the error
+
+
+def test_tied_embeddings_get_a_packed_head_copy():
+    model = tiny_model(seed=5)
+    model.lm_head = None  # tie the head to the embedding table
+    ids = torch.randint(0, 48, (1, 6))
+    ref = model(ids, torch.arange(6)[None], model.new_cache(64))
+    quantize_(model, "int8")
+    assert isinstance(model.lm_head, Int8Linear)
+    out = model(ids, torch.arange(6)[None], model.new_cache(64))
+    assert (out - ref).norm() < 0.15 * ref.norm()  # random weights amplify the error
+
+
+def test_bad_requests_raise_clear_errors_and_leave_the_model_alone():
+    model = tiny_model(seed=6)
+    with pytest.raises(QuantizationError, match="unknown quantization"):
+        quantize_(model, "int3")
+    with pytest.raises(QuantizationError, match="group size"):
+        quantize_(model, "int4", group_size=48)
+    with pytest.raises(QuantizationError, match="does not divide"):
+        quantize_(tiny_model(seed=6), "int4", group_size=128)  # hidden size 64
+    assert not is_quantized(model)
+    with pytest.raises(QuantizationError, match="multiple of 16"):
+        Int4Linear(dense(n=40), 32)
+    with pytest.raises(QuantizationError, match="CPU kernels"):
+        quantize_(model.to("meta"), "int8")  # any non-CPU device
+
+
+def test_default_threads_are_the_usable_physical_cores():
+    assert 1 <= physical_cores() <= os.cpu_count()
+    before = torch.get_num_threads()
+    try:
+        assert set_threads() == physical_cores() == torch.get_num_threads()
+        with pytest.raises(ValueError, match="positive integer"):
+            set_threads(0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cli_flags_reach_the_parser():
+    from verispec.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "m", "p", "--quantization", "int4", "--quantization-group-size",
+                                      "64", "--compile", "--threads", "1"])
+    assert (args.quantization, args.quantization_group_size, args.compile, args.threads) == ("int4", 64, True, 1)
+    defaults = build_parser().parse_args(["generate", "m", "p"])
+    assert (defaults.quantization, defaults.compile, defaults.threads) == ("none", False, None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "m", "p", "--quantization", "int3"])

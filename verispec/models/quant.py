@@ -1,0 +1,179 @@
+"""Weight-only quantized linear layers for the CPU, kept packed and run by PyTorch's own kernels.
+
+On a CPU, decoding one token reads every weight once, so its speed is set by the bytes read.
+:func:`quantize_` swaps the decoder's ``nn.Linear`` layers for modules that keep their weights
+packed and multiply with PyTorch's weight-only kernels, which unpack inside the GEMM:
+
+* ``int8`` -- symmetric, one scale per output channel: ``w ~= q * scale``, ``q`` in [-127, 127].
+  Kernel: ``aten._weight_int8pack_mm``.
+* ``int4`` -- asymmetric, one (scale, zero) pair per group of ``group_size`` input channels,
+  in PyTorch's convention ``w ~= (q - 8) * scale + zero``, ``q`` in [0, 15]. Kernel:
+  ``aten._weight_int4pack_mm_for_cpu`` on the layout made by
+  ``aten._convert_weight_to_int4pack_for_cpu``. Group 32 is the default: the bundled GGUFs are
+  Q4_K, whose sub-blocks are 32 weights with their own scale and minimum, so a min/max fit over
+  the same 32 weights recovers most of them exactly.
+
+Activations enter the kernels in bfloat16 (the kernels' float32 path is 20-40x slower on an AVX2
+CPU, measured in ``benchmarks/bench_qlinear.py``) and the output is cast back to the input's
+dtype. A quantized layer therefore ignores the decoder's float32-prefill switch: its bf16 GEMM
+at prompt length is as fast as the float32 one it would replace.
+
+**Exactness.** Speculative decoding stays lossless *with respect to the model actually run*
+because both kernels compute each output row the same way whatever the number of rows M
+(verified bitwise for M = 1..9 on the shapes of the bundled models, and by the tests), just as
+bf16 ``F.linear`` does. The quantized model is a different model from the bf16 one; its
+agreement with bf16 is measured by ``benchmarks/bench_quant_accuracy.py``.
+
+**What is quantized.** Every decoder-layer projection (qkv, o, gate_up, down) gets the chosen
+scheme. The LM head gets int8 under both schemes: it is the largest single matrix of a small
+model (15-30% of the bytes read per token), and the next-token argmax is the most
+precision-sensitive product, so it keeps 8 bits, as llama.cpp's Q4_K_M keeps it at 6. With
+tied embeddings the head becomes a packed int8 copy of the table. The embedding table itself
+stays in its dtype: a lookup reads one row per token, so packing it saves no bandwidth.
+
+The kernels here are CPU kernels; other devices raise :class:`QuantizationError`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+SCHEMES = ("none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_INT4_GROUP_SIZE = 32
+_COMPUTE_DTYPE = torch.bfloat16  # activations, scales and zeros
+
+
+class QuantizationError(ValueError):
+    """The requested quantization cannot be applied to this model or device."""
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ (q * scale).T + bias`` with int8 ``q`` [N, K] and one bf16 scale per row."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()  # [N, K]
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        scale = scale.to(_COMPUTE_DTYPE)  # round first, so q is fitted to the scale actually used
+        q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("qweight", q)  # [N, K] int8
+        self.register_buffer("scale", scale)  # [N] bf16
+        self.register_buffer("bias", _bias(linear))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features).to(_COMPUTE_DTYPE)  # [M, K]
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scale)  # [M, N]
+        return _finish(y, self.bias, x)
+
+    def dequantize(self) -> Tensor:
+        """The weight this layer multiplies by, as float32 [N, K]."""
+        return self.qweight.float() * self.scale.float()[:, None]
+
+
+class Int4Linear(nn.Module):
+    """Group-wise asymmetric int4: ``w[n, k] ~= (q - 8) * scale[g, n] + zero[g, n]``, g = k // group."""
+
+    def __init__(self, linear: nn.Linear, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()  # [N, K]
+        n, k = w.shape
+        _check_int4_shape(n, k, group_size)
+        self.in_features, self.out_features, self.group_size = k, n, group_size
+        groups = w.view(n, k // group_size, group_size)  # [N, G, group]
+        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, G]
+        scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny).to(_COMPUTE_DTYPE).float()
+        zero = (lo + 8 * scale).to(_COMPUTE_DTYPE).float()
+        q = torch.round((groups - zero[..., None]) / scale[..., None] + 8).clamp(0, 15)
+        q = q.to(torch.int32).view(n, k)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # [N, K/2] uint8
+        # [G, N, 2]: the kernel's layout, (scale, zero) per group and output channel
+        self.register_buffer("scales_zeros", torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()
+                             .to(_COMPUTE_DTYPE))  # fmt: skip
+        self.register_buffer("bias", _bias(linear))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features).to(_COMPUTE_DTYPE)  # [M, K]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_zeros)
+        return _finish(y, self.bias, x)
+
+    def dequantize(self) -> Tensor:
+        """The weight this layer multiplies by, as float32 [N, K] (the kernel applied to an identity)."""
+        eye = torch.eye(self.in_features, dtype=torch.float32)  # float32 in, so the output is exact
+        cols = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group_size, self.scales_zeros.float())
+        return cols.t().contiguous()
+
+
+def _bias(linear: nn.Linear) -> Tensor | None:
+    return None if linear.bias is None else linear.bias.detach().clone()
+
+
+def _finish(y: Tensor, bias: Tensor | None, x: Tensor) -> Tensor:
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _check_int4_shape(n: int, k: int, group_size: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise QuantizationError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if k % group_size:
+        fits = [g for g in INT4_GROUP_SIZES if k % g == 0] or "none"
+        raise QuantizationError(
+            f"int4 group size {group_size} does not divide a layer's input width {k}; "
+            f"group sizes that do: {fits}"
+        )
+    if n % 16:  # the CPU packing works on blocks of 16 output channels
+        raise QuantizationError(f"int4 needs a multiple of 16 output channels, got a layer with {n}")
+
+
+def check_scheme(scheme: str, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> str:
+    """Validate a scheme name (and the int4 group size) before any model is loaded."""
+    if scheme not in SCHEMES:
+        raise QuantizationError(f"unknown quantization {scheme!r}; valid: {', '.join(SCHEMES)}")
+    if scheme == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise QuantizationError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    return scheme
+
+
+def quantize_(model: nn.Module, scheme: str, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> nn.Module:
+    """Replace ``model``'s linear layers in place (policy in the module docstring); returns it.
+
+    ``model`` is a :class:`~verispec.models.decoder.Decoder`. ``scheme`` is ``"none"`` (a no-op),
+    ``"int8"`` or ``"int4"``. Every shape is checked before any layer is replaced, so a failure
+    leaves the model as it was.
+    """
+    check_scheme(scheme, group_size)
+    if scheme == "none":
+        return model
+    if model.device.type != "cpu":
+        raise QuantizationError(
+            f"--quantization {scheme} uses PyTorch's CPU kernels; it is not implemented on "
+            f"{model.device.type} (use --quantization none there)"
+        )
+    make = Int8Linear if scheme == "int8" else (lambda lin: Int4Linear(lin, group_size))
+    if scheme == "int4":
+        for layer in model.layers:
+            for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                _check_int4_shape(lin.out_features, lin.in_features, group_size)
+    for layer in model.layers:
+        layer.qkv, layer.o_proj = make(layer.qkv), make(layer.o_proj)
+        layer.gate_up, layer.down = make(layer.gate_up), make(layer.down)
+    head = model.lm_head if model.lm_head is not None else _as_linear(model.embed.weight)
+    model.lm_head = Int8Linear(head)
+    return model
+
+
+def _as_linear(weight: Tensor) -> nn.Linear:
+    """A bias-free ``nn.Linear`` view of a [N, K] weight (for a tied embedding table)."""
+    with torch.device("meta"):
+        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    return lin
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
