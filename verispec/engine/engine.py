@@ -186,9 +186,8 @@ class Engine:
 
     def _verify_tree(self, seq: Sequence, proposal: Proposal) -> Verified:
         start = self.cache.length(seq.slot)
+        proposal = _first_nodes(proposal, self.max_model_len - start - 1)
         tree = Tree((-1, *proposal.parents))
-        if start + len(tree) > self.max_model_len:
-            raise RuntimeError(f"a tree of {len(tree)} nodes does not fit max_model_len={self.max_model_len}")
         layout = tree_layout(tree, start, self.model.device)
         ids = torch.tensor([[seq.output_ids[-1], *proposal.tokens]], device=self.model.device)  # [1, N]
         t0 = time.perf_counter()
@@ -229,3 +228,15 @@ def _depth(proposal: Proposal) -> int:
     if proposal.parents is None:
         return len(proposal)
     return max(Tree((-1, *proposal.parents)).depths)
+
+
+def _first_nodes(proposal: Proposal, n: int) -> Proposal:
+    """The tree's first ``n`` nodes (what fits in the cache).
+
+    Exact for every child mode: dropping the last nodes drops, at each node, a suffix of its
+    children (and their subtrees), chosen by count alone, never by the drawn tokens.
+    """
+    if len(proposal) <= n:
+        return proposal
+    probs = None if proposal.probs is None else proposal.probs[:n]
+    return Proposal(proposal.tokens[:n], probs, proposal.parents[:n], proposal.children)

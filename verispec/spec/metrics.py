@@ -160,6 +160,10 @@ class SpecMetrics:
             return "n/a" if v is None else format(v, spec)
 
         pos = " ".join(f"{a:.2f}" for a in s["per_position_acceptance"]) or "n/a"
+        tree = [] if not self.tree_rounds else [
+            f"tree: {self.tree_rounds} rounds, mean size {s['mean_tree_size']:.1f} nodes, "
+            f"accepted depth counts {self.accepted_depth_counts}"
+        ]
         return "\n".join([
             f"rounds {s['rounds']}, drafts {s['drafts']}, draft tokens {s['draft_tokens']}, "
             f"accepted {s['accepted_tokens']}",
@@ -170,4 +174,4 @@ class SpecMetrics:
             f"verify {s['verify_time_s']:.2f}s, other {s['other_time_s']:.2f}s",
             f"cost model: T_target(1) {f(s['target_step_time_s'] and s['target_step_time_s'] * 1e3, '.1f')} ms, "
             f"c {f(s['c'])}, alpha {f(s['alpha'])}",
-        ])
+        ] + tree)

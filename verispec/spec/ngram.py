@@ -255,5 +255,7 @@ def trie_proposal(continuations: list[list[int]], budget: int) -> Proposal:
 def make_ngram_drafter(config: SpeculativeConfig, context: DrafterContext) -> NgramDrafter:
     if config.speculative_token_tree is not None:
         raise ValueError("ngram proposes a trie of earlier continuations; speculative_token_tree does not apply")
+    if config.tree_children != "topk":
+        raise ValueError('ngram drafts are deterministic: tree_children must be "topk"')
     return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max,
                         config.speculative_eagle_topk, config.tree_budget)
