@@ -7,8 +7,11 @@ a message that names the bad field and the accepted range.
 
 from __future__ import annotations
 
+import ast
 import json
 from dataclasses import dataclass, fields
+
+TREE_CHILD_MODES = ("topk", "iid", "without_replacement")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,14 @@ class SpeculativeConfig:
     :mod:`verispec.spec.controller` picks k per request and round, and
     ``num_speculative_tokens`` is the most it may pick; ``adaptive: false`` drafts exactly
     ``num_speculative_tokens`` every round.
+
+    Tree speculation (names from SGLang / vLLM): ``num_speculative_tokens`` is the tree depth,
+    ``speculative_eagle_topk`` (alias ``draft_topk``) the branching, ``num_draft_tokens`` the
+    node budget (draft tokens per round, root excluded; default: depth * topk), and
+    ``speculative_token_tree`` a static Medusa-style choices list (tuples of top-k ranks).
+    ``tree_children`` says how a node's children are chosen when sampling: ``"topk"`` (the
+    draft's top-k, deterministic; dynamic EAGLE-2 trees), ``"without_replacement"`` or
+    ``"iid"`` (sampled from q; these need a static shape, see :mod:`verispec.spec.tree_verify`).
     """
 
     method: str
@@ -68,11 +79,16 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     adaptive: bool = True
     quantization: str = "none"  # the draft model's weights: none, int8 or int4 (CPU)
+    speculative_eagle_topk: int = 1
+    num_draft_tokens: int | None = None
+    speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
+    tree_children: str = "topk"
 
     def __post_init__(self) -> None:
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        self._check_tree()
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "speculative_eagle_topk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -88,6 +104,45 @@ class SpeculativeConfig:
                 f"{self.prompt_lookup_min}..{self.prompt_lookup_max}"
             )
 
+    @property
+    def is_tree(self) -> bool:
+        return self.speculative_eagle_topk > 1 or self.speculative_token_tree is not None
+
+    @property
+    def tree_budget(self) -> int:
+        """Draft tokens (tree nodes, root excluded) per round."""
+        if self.num_draft_tokens is not None:
+            return self.num_draft_tokens
+        if self.speculative_token_tree is not None:
+            return len(self.speculative_token_tree)
+        return self.num_speculative_tokens * self.speculative_eagle_topk
+
+    def _check_tree(self) -> None:
+        if not isinstance(self.speculative_eagle_topk, int) or self.speculative_eagle_topk < 1:
+            raise ValueError(f"speculative_eagle_topk must be an integer >= 1, got {self.speculative_eagle_topk!r}")
+        budget = self.num_draft_tokens
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= 62):
+            # 62 drafts + the root stay below the decoder's float32 prefill threshold (64 rows).
+            raise ValueError(f"num_draft_tokens must be an integer in 1..62, got {budget!r}")
+        if self.tree_children not in TREE_CHILD_MODES:
+            raise ValueError(f"tree_children must be one of {', '.join(TREE_CHILD_MODES)}, got {self.tree_children!r}")
+        tree = self.speculative_token_tree
+        if tree is None:
+            return
+        if isinstance(tree, str):
+            try:
+                tree = ast.literal_eval(tree)
+            except (ValueError, SyntaxError) as e:
+                raise ValueError(f"speculative_token_tree is not a list of tuples: {e}") from None
+        try:
+            tree = tuple(tuple(int(r) for r in choice) for choice in tree)
+        except (TypeError, ValueError):
+            raise ValueError(f"speculative_token_tree must be a list of rank tuples, got {tree!r}") from None
+        from verispec.spec.tree import Tree  # validates prefixes and ranks
+
+        Tree.from_choices(tree)
+        object.__setattr__(self, "speculative_token_tree", tree)
+
     @classmethod
     def from_dict(cls, data: dict) -> SpeculativeConfig:
         """Build from a ``--speculative-config`` dict; unknown keys are an error.
@@ -97,13 +152,15 @@ class SpeculativeConfig:
         """
         if not isinstance(data, dict):
             raise ValueError(f"speculative config must be a JSON object, got {type(data).__name__}")
-        valid = [f.name for f in fields(cls)]
+        valid = [f.name for f in fields(cls)] + ["draft_topk"]
         unknown = sorted(set(data) - set(valid))
         if unknown:
             raise ValueError(
                 f"unknown speculative config key(s): {', '.join(unknown)}; valid keys: {', '.join(valid)}"
             )
         data = dict(data)
+        if "draft_topk" in data:  # SGLang's name for speculative_eagle_topk
+            data["speculative_eagle_topk"] = data.pop("draft_topk")
         if "method" not in data:
             if not data.get("model"):
                 raise ValueError('speculative config needs "method" (or "model" for a draft model)')

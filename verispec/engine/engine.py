@@ -14,6 +14,11 @@ the last, ``t``)::
              a <= n drafts and adds one recovered-or-bonus token x
     accept   commit d_1..d_a, x, stopping early on EOS / stop string / max_tokens
     commit   roll the target cache back to L + 1 + a; tell the drafter and the controller
+
+A tree proposal (``proposal.parents`` set) is verified the same way in one pass: the root t and
+the n tree nodes go to cache indices L..L+n with a tree attention mask and RoPE positions
+L + depth; verification walks the tree, and commit keeps the accepted path's K/V with one
+compaction (:meth:`KVCache.keep`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from verispec.sampling import logits_to_probs, make_generator
 from verispec.spec.base import EMPTY_PROPOSAL, Drafter, DrafterContext, Outcome, Proposal, build_drafter
 from verispec.spec.controller import Controller, RoundReport, build_controller
 from verispec.spec.metrics import SpecMetrics
+from verispec.spec.tree import Tree, tree_layout
+from verispec.spec.tree_verify import verify_tree_greedy, verify_tree_stochastic
 from verispec.spec.verify import VerifyResult, verify_greedy, verify_stochastic
 
 if TYPE_CHECKING:
@@ -42,6 +49,7 @@ if TYPE_CHECKING:
 class Verified:
     result: VerifyResult
     cache_start: int  # target cache length before the verify pass (L)
+    path: tuple[int, ...] | None = None  # tree proposals: accepted nodes (root = node 0 excluded)
 
 
 class Engine:
@@ -161,11 +169,13 @@ class Engine:
         if k == 0:
             return EMPTY_PROPOSAL
         proposal = self.drafter.propose(seq, k)
-        if len(proposal) > k:
-            raise RuntimeError(f"drafter proposed {len(proposal)} tokens, more than the {k} asked for")
+        if _depth(proposal) > k:
+            raise RuntimeError(f"drafter proposed a depth of {_depth(proposal)}, more than the {k} asked for")
         return proposal
 
     def _verify(self, seq: Sequence, proposal: Proposal) -> Verified:
+        if proposal.parents is not None:
+            return self._verify_tree(seq, proposal)
         start = self.cache.length(seq.slot)
         if start + len(proposal) + 1 > self.max_model_len:
             raise ValueError(f"the sequence reached max_model_len={self.max_model_len}")
@@ -186,6 +196,27 @@ class Engine:
         draft_probs = None if proposal.probs is None else proposal.probs[None]  # [1, n, V]
         return verify_stochastic(draft, draft_probs, target_probs, seq.generator)
 
+    def _verify_tree(self, seq: Sequence, proposal: Proposal) -> Verified:
+        start = self.cache.length(seq.slot)
+        proposal = _first_nodes(proposal, self.max_model_len - start - 1)
+        tree = Tree((-1, *proposal.parents))
+        layout = tree_layout(tree, start, self.model.device)
+        ids = torch.tensor([[seq.output_ids[-1], *proposal.tokens]], device=self.model.device)  # [1, N]
+        t0 = time.perf_counter()
+        logits = self.model(ids, layout.positions[None], self.cache, attn_mask=layout.mask[None],
+                            slots=[seq.slot])[0]  # [N, V]
+        seq.metrics.record_target(len(tree), time.perf_counter() - t0)
+        p = seq.params
+        if p.greedy:
+            result = verify_tree_greedy(tree, proposal.tokens, logits)
+        else:
+            target_probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [N, V]
+            result = verify_tree_stochastic(tree, proposal.tokens, proposal.probs, target_probs,
+                                            proposal.children, seq.generator)
+        seq.metrics.record_tree(len(proposal), result.num_accepted)
+        as_chain = VerifyResult(torch.tensor([result.num_accepted]), torch.tensor([result.tokens]))
+        return Verified(as_chain, start, result.path)
+
     def _accept(self, seq: Sequence, proposal: Proposal, verified: Verified) -> tuple[Outcome, str]:
         committed, text = seq.append(verified.result.committed(0))
         outcome = Outcome(len(proposal), int(verified.result.num_accepted[0]), committed)
@@ -194,7 +225,30 @@ class Engine:
 
     def _commit(self, seq: Sequence, verified: Verified, outcome: Outcome) -> None:
         # The pass wrote t, d_1..d_n; keep t and the accepted drafts (the last committed token's
-        # K/V is written next round).
-        self.cache.truncate(seq.slot, verified.cache_start + len(outcome.committed))
+        # K/V is written next round). A tree keeps its root and accepted path, compacted.
+        if verified.path is None:
+            self.cache.truncate(seq.slot, verified.cache_start + len(outcome.committed))
+        else:
+            keep = [0, *verified.path][: len(outcome.committed)]
+            self.cache.keep(seq.slot, verified.cache_start, keep)
         if self.drafter is not None and not seq.finished:
             self.drafter.feedback(seq, outcome)
+
+
+def _depth(proposal: Proposal) -> int:
+    """Tokens the proposal can commit before the bonus: its length, or a tree's depth."""
+    if proposal.parents is None:
+        return len(proposal)
+    return max(Tree((-1, *proposal.parents)).depths)
+
+
+def _first_nodes(proposal: Proposal, n: int) -> Proposal:
+    """The tree's first ``n`` nodes (what fits in the cache).
+
+    Exact for every child mode: dropping the last nodes drops, at each node, a suffix of its
+    children (and their subtrees), chosen by count alone, never by the drawn tokens.
+    """
+    if len(proposal) <= n:
+        return proposal
+    probs = None if proposal.probs is None else proposal.probs[:n]
+    return Proposal(proposal.tokens[:n], probs, proposal.parents[:n], proposal.children)

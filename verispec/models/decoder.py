@@ -197,6 +197,51 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     return torch.matmul(probs, v).view(b, h, t, d)
 
 
+@dataclass(frozen=True)
+class RowKeys:
+    """The keys of a masked pass, listed per row: what a tree verify pass attends to.
+
+    ``index[b, i]`` lists the cache indices row ``i`` attends to, in cache order, followed by
+    the others; ``mask[b, i]`` is True on the first ``n_i`` entries (a causal row's layout).
+    Worked example, a row attending to cached 0..9 and tree entries 10 and 13 of 16::
+
+        index = [0..9, 10, 13, 11, 12, 14, 15]    mask = [True * 12, False * 4]
+    """
+
+    index: Tensor  # [B, T, S] int64
+    mask: Tensor  # [B, T, S] bool
+
+    @classmethod
+    def from_mask(cls, mask: Tensor) -> RowKeys:
+        """From a ``[B, T, S]`` bool mask (True = attend)."""
+        index = torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices  # [B, T, S]
+        return cls(index, mask.gather(-1, index))
+
+
+def row_attention(q: Tensor, k: Tensor, v: Tensor, rows: RowKeys) -> Tensor:
+    """Attention in which every row reduces over its own keys packed to the front.
+
+    q: [B, H, T, D]; k, v: [B, Hkv, S, D]. Each row gathers its keys and values into the
+    layout a plain decode step at the same position has (its attended keys at indices
+    0 .. n-1, in cache order), and runs the same matmuls as :func:`grouped_attention` with
+    T = 1. A tree's rows attend to scattered entries; the CPU kernels' softmax and
+    probs @ V reductions group terms by absolute index, so attending in place would not be
+    bitwise equal to a decode step. The gather costs T copies of the attended K/V.
+    """
+    b, h, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = h // hkv
+    idx = rows.index[:, None, :, :, None].expand(b, hkv, t, s, d)  # [B, Hkv, T, S, D]
+    keys = k[:, :, None].expand(b, hkv, t, s, d).gather(3, idx)  # [B, Hkv, T, S, D]
+    values = v[:, :, None].expand(b, hkv, t, s, d).gather(3, idx)
+    qg = q.reshape(b, hkv, g, t, d).transpose(2, 3)  # [B, Hkv, T, G, D]
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * (d**-0.5)  # [B, Hkv, T, G, S]
+    scores = scores.masked_fill(~rows.mask[:, None, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, values)  # [B, Hkv, T, G, D]
+    return out.transpose(2, 3).reshape(b, h, t, d)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
@@ -219,7 +264,7 @@ class DecoderLayer(nn.Module):
         cache: KVCache,
         layer: int,
         slots: list[int],
-        mask: Tensor,  # [B, 1, T, S] bool, True = attend
+        mask: Tensor | RowKeys,  # [B, 1, T, S] bool, True = attend; RowKeys for masked passes
         attend_len: int,
         fp32: bool,  # compute matmuls in float32 (long prefill on CPUs without bf16 units)
         steps: LayerSteps,  # runs the two dense halves (eager or compiled)
@@ -228,7 +273,9 @@ class DecoderLayer(nn.Module):
         q, k, v = steps.attention_inputs(self, x, cos, sin, fp32)
         cache.write(layer, slots, k, v)
         keys, values = cache.view(layer, slots, attend_len)  # [B, Hkv, S, D]
-        if fp32:
+        if isinstance(mask, RowKeys):
+            attn = row_attention(q, keys, values, mask)  # [B, H, T, D]
+        elif fp32:
             attn = grouped_attention(q.float(), keys.float(), values.float(), mask).to(x.dtype)
         else:
             attn = grouped_attention(q, keys, values, mask)  # [B, H, T, D]
@@ -326,7 +373,8 @@ class Decoder(nn.Module):
         ``attn_mask`` (True = attend) covers cache indices; row b's new tokens sit at indices
         ``kv_cache.lengths[slots[b]] + [0, T)``. Without it the mask is causal (plus the sliding
         window, if any). ``num_logits`` computes logits for the last n rows only (prefill needs
-        just the last). Returns float32 logits ``[B, n, vocab]``, or a :class:`DecoderOutput`
+        just the last). A masked pass computes every row as a decode step would (see
+        :func:`row_attention`), so tree rows are bitwise equal to plain decoding. Returns float32 logits ``[B, n, vocab]``, or a :class:`DecoderOutput`
         with hidden states when ``output_hidden_states``.
         """
         b, t = token_ids.shape
@@ -337,13 +385,16 @@ class Decoder(nn.Module):
         starts = [kv_cache.lengths[s] for s in slots]
         attend_len = kv_cache.attend_len(max(starts) + t)
         mask = self._mask(starts, t, attend_len, attn_mask, positions.device)
+        # A masked pass (a draft tree) verifies drafts: its rows must compute like decode steps.
+        keys = mask if attn_mask is None else RowKeys.from_mask(mask[:, 0])
 
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
         fp32 = (
-            t >= PREFILL_FP32_MIN_TOKENS
+            attn_mask is None
+            and t >= PREFILL_FP32_MIN_TOKENS
             and self.dtype in (torch.bfloat16, torch.float16)
             and self.device.type == "cpu"
             and not cpu_has_native_bf16()
@@ -352,7 +403,7 @@ class Decoder(nn.Module):
         x = self.embed(token_ids)  # [B, T, hidden]
         hidden = [x] if output_hidden_states else None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache, i, slots, mask, attend_len, fp32, steps)
+            x = layer(x, cos, sin, kv_cache, i, slots, keys, attend_len, fp32, steps)
             if hidden is not None and i < len(self.layers) - 1:
                 hidden.append(x)
         kv_cache.advance(slots, t)

@@ -13,8 +13,8 @@ Life cycle of one request::
         drafter.feedback(seq, outcome)       # what was accepted, what got committed
     drafter.finish(seq)                      # free per-sequence state
 
-Proposals are chains today. A tree proposal will be a further field on :class:`Proposal`
-(a parent array), so drafters that only make chains keep working unchanged.
+A proposal is a chain unless it carries ``parents``: then its tokens are the nodes of a draft
+tree (see :mod:`verispec.spec.tree`) verified in one target pass. Chain drafters never set it.
 """
 
 from __future__ import annotations
@@ -38,10 +38,18 @@ class Proposal:
     ``probs`` is q, the distribution each token was sampled from, after the request's sampling
     transforms (the same :func:`verispec.sampling.logits_to_probs` as the target's p). ``None``
     means a deterministic drafter: q is one-hot at the proposed token.
+
+    Tree proposals: ``parents[i]`` is the parent node of ``tokens[i]``, in a numbering where
+    node 0 is the root (the last committed token) and ``tokens[i]`` is node ``i + 1``;
+    ``probs[i]`` is the q at that parent which the token was drawn from (before removing
+    earlier siblings), and ``children`` how siblings were chosen (see
+    :mod:`verispec.spec.tree_verify`).
     """
 
-    tokens: list[int]  # [n], n <= k
+    tokens: list[int]  # [n], n <= k for a chain; tree depth <= k for a tree
     probs: Tensor | None = None  # [n, vocab] float32
+    parents: tuple[int, ...] | None = None  # [n] for a tree proposal
+    children: str = "topk"  # tree proposals: "topk" | "iid" | "without_replacement"
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -95,12 +95,18 @@ class DraftModelDrafter:
         ids = torch.tensor([tokens], device=device)  # [1, T]
         positions = torch.arange(start, start + len(tokens), device=device)[None]  # [1, T]
         logits = self.model(ids, positions, self.cache, slots=[slot], num_logits=1)[0, -1]  # [V_draft]
-        # Embedding tables are often padded past the tokenizer; align with the target's size.
-        # Draft-only ids get -inf, so q (and hence what is sampled) never includes them.
-        if logits.shape[0] >= self.target_vocab:
-            return logits[: self.target_vocab]
-        pad = logits.new_full((self.target_vocab - logits.shape[0],), float("-inf"))
-        return torch.cat((logits, pad))
+        return self._align_vocab(logits)
+
+    def _align_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V_draft] -> [..., V_target].
+
+        Embedding tables are often padded past the tokenizer; align with the target's size.
+        Draft-only ids get -inf, so q (and hence what is sampled) never includes them.
+        """
+        if logits.shape[-1] >= self.target_vocab:
+            return logits[..., : self.target_vocab]
+        pad = logits.new_full((*logits.shape[:-1], self.target_vocab - logits.shape[-1]), float("-inf"))
+        return torch.cat((logits, pad), dim=-1)
 
 
 @register_drafter("draft_model")
@@ -113,4 +119,13 @@ def make_draft_model_drafter(config: SpeculativeConfig, context: DrafterContext)
     draft = load_model(config.model, device=target.model.device, dtype=target.model.dtype,
                        quantization=config.quantization)
     check_vocab_compatible(target, draft)
-    return DraftModelDrafter(draft, target.model.config.vocab_size, context.max_model_len)
+    vocab = target.model.config.vocab_size
+    if config.is_tree:
+        from verispec.spec.draft_tree import TreeDraftModelDrafter
+
+        return TreeDraftModelDrafter(
+            draft, vocab, context.max_model_len, topk=config.speculative_eagle_topk, budget=config.tree_budget,
+            children=config.tree_children, choices=config.speculative_token_tree,
+            depth=config.num_speculative_tokens,
+        )
+    return DraftModelDrafter(draft, vocab, context.max_model_len)

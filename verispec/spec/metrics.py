@@ -9,6 +9,10 @@ Conventions (the same as vLLM and llama.cpp):
 * **per-position acceptance** [i] = P(draft i accepted | draft i was proposed), i = 0..k-1.
 * **c** = (drafting time per round / tokens proposed that round) / T_target(1): the cost of one
   draft token in units of one plain target decode step.
+* **tree rounds**: for a tree proposal, "proposed" counts every tree node (so per-position
+  acceptance [i] is the fraction of tree rounds that accepted more than i tokens);
+  ``accepted_depth_counts[d]`` counts tree rounds whose accepted path had depth d, and
+  ``tree_nodes`` sums the trees' draft nodes.
 * **alpha** = (T_target(n) - T_target(1)) / ((n - 1) * T_target(1)): the extra cost of each
   additional position in a verify pass, from a least-squares line through the measured
   T_target(n) for all n seen.
@@ -35,6 +39,9 @@ class SpecMetrics:
     verify_time_s: float = 0.0
     other_time_s: float = 0.0
     prefill_time_s: float = 0.0
+    tree_rounds: int = 0
+    tree_nodes: int = 0
+    accepted_depth_counts: list[int] = field(default_factory=list)  # [max depth + 1]
     # n new positions -> [count, total seconds] of target forwards
     target_time_by_n: dict[int, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0.0]))
 
@@ -55,6 +62,12 @@ class SpecMetrics:
             if i < num_accepted:
                 self.accepted_at[i] += 1
 
+    def record_tree(self, num_nodes: int, accepted_depth: int) -> None:
+        self.tree_rounds += 1
+        self.tree_nodes += num_nodes
+        self.accepted_depth_counts.extend([0] * (accepted_depth + 1 - len(self.accepted_depth_counts)))
+        self.accepted_depth_counts[accepted_depth] += 1
+
     def record_target(self, num_positions: int, seconds: float) -> None:
         slot = self.target_time_by_n[num_positions]
         slot[0] += 1
@@ -64,9 +77,10 @@ class SpecMetrics:
         """Add another request's counters into this (aggregate) object."""
         for name in ("num_rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                      "num_committed_tokens", "draft_time_s", "verify_time_s", "other_time_s",
-                     "prefill_time_s"):
+                     "prefill_time_s", "tree_rounds", "tree_nodes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        for mine, theirs in ((self.proposed_at, other.proposed_at), (self.accepted_at, other.accepted_at)):
+        for mine, theirs in ((self.proposed_at, other.proposed_at), (self.accepted_at, other.accepted_at),
+                             (self.accepted_depth_counts, other.accepted_depth_counts)):
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, v in enumerate(theirs):
                 mine[i] += v
@@ -128,6 +142,8 @@ class SpecMetrics:
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance": self.per_position_acceptance,
+            "mean_tree_size": self.tree_nodes / self.tree_rounds if self.tree_rounds else None,
+            "accepted_depth_counts": self.accepted_depth_counts,
             "prefill_time_s": self.prefill_time_s,
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
@@ -144,6 +160,10 @@ class SpecMetrics:
             return "n/a" if v is None else format(v, spec)
 
         pos = " ".join(f"{a:.2f}" for a in s["per_position_acceptance"]) or "n/a"
+        tree = [] if not self.tree_rounds else [
+            f"tree: {self.tree_rounds} rounds, mean size {s['mean_tree_size']:.1f} nodes, "
+            f"accepted depth counts {self.accepted_depth_counts}"
+        ]
         return "\n".join([
             f"rounds {s['rounds']}, drafts {s['drafts']}, draft tokens {s['draft_tokens']}, "
             f"accepted {s['accepted_tokens']}",
@@ -154,4 +174,4 @@ class SpecMetrics:
             f"verify {s['verify_time_s']:.2f}s, other {s['other_time_s']:.2f}s",
             f"cost model: T_target(1) {f(s['target_step_time_s'] and s['target_step_time_s'] * 1e3, '.1f')} ms, "
             f"c {f(s['c'])}, alpha {f(s['alpha'])}",
-        ])
+        ] + tree)

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = ["NgramIndex", "NgramDrafter"]
 
 _ROOT = 0
+MAX_RECENT_MATCHES = 8  # occurrences remembered per n-gram, for tree proposals
 
 
 class NgramIndex:
@@ -73,6 +74,8 @@ class NgramIndex:
         self._children: dict[tuple[int, int], int] = {}
         # Per node: end position of the most recent indexed occurrence of its n-gram.
         self._latest_end: list[int] = [-1]
+        # Per node: end positions of its most recent occurrences, newest last (for trees).
+        self._recent_ends: list[list[int]] = [[]]
         self.extend(tokens)
 
     @property
@@ -113,6 +116,7 @@ class NgramIndex:
         self._tokens = []
         self._children = {}
         self._latest_end = [-1]
+        self._recent_ends = [[]]
         self.extend(kept)
 
     def propose(self, k: int) -> list[int]:
@@ -140,6 +144,34 @@ class NgramIndex:
         # token follows the occurrence.
         return self._tokens[match_end + 1 : match_end + 1 + k]
 
+    def propose_many(self, k: int, max_matches: int) -> list[list[int]]:
+        """Up to ``max_matches`` distinct continuations (each up to ``k`` tokens) of earlier
+        occurrences of the current suffix: longer matches first, then more recent ones.
+
+        Worked example, tokens ``5 1 2 7 | 9 1 2 8 | 1 2`` (min_n = 1, max_n = 2): the suffix
+        (1, 2) occurred ending at 6 and at 2, so with k = 2 the continuations are
+        ``[[8, 1], [7, 9]]``.
+        """
+        if k <= 0 or max_matches <= 0:
+            return []
+        length = len(self._tokens)
+        node, matched = _ROOT, []  # nodes of the matching suffixes, shortest first
+        for depth in range(1, min(self._max_n, length) + 1):
+            node = self._children.get((node, self._tokens[length - depth]))
+            if node is None:
+                break
+            if depth >= self._min_n:
+                matched.append(node)
+        out: list[list[int]] = []
+        for node in reversed(matched):
+            for end in reversed(self._recent_ends[node]):
+                cont = self._tokens[end + 1 : end + 1 + k]
+                if cont not in out:
+                    out.append(cont)
+                if len(out) == max_matches:
+                    return out
+        return out
+
     def _index_ending_at(self, end: int) -> None:
         """Insert the n-grams (n = 1 .. max_n) that end at position ``end``.
 
@@ -156,24 +188,37 @@ class NgramIndex:
                 child = len(self._latest_end)
                 self._children[key] = child
                 self._latest_end.append(end)
+                self._recent_ends.append([end])
             else:
                 # Ends arrive in increasing order, so the newest is the most recent.
                 self._latest_end[child] = end
+                recent = self._recent_ends[child]
+                recent.append(end)
+                del recent[: -MAX_RECENT_MATCHES]
             node = child
 
 
 class NgramDrafter:
-    """``ngram`` (prompt lookup): deterministic drafts copied from earlier in the sequence."""
+    """``ngram`` (prompt lookup): deterministic drafts copied from earlier in the sequence.
 
-    def __init__(self, min_n: int, max_n: int) -> None:
+    With ``topk > 1`` it proposes a token trie: the distinct continuations of up to ``topk``
+    earlier matches, merged on common prefixes, at most ``budget`` nodes (earlier
+    continuations first). The drafts are deterministic, so verification treats every child
+    as one-hot ("topk" children), which is exact at any temperature.
+    """
+
+    def __init__(self, min_n: int, max_n: int, topk: int = 1, budget: int = 0) -> None:
         self.min_n, self.max_n = min_n, max_n
+        self.topk, self.budget = topk, budget
         self._index: dict[int, NgramIndex] = {}  # slot -> index over prompt + output
 
     def start(self, seq: Seq) -> None:
         self._index[seq.slot] = NgramIndex(seq.token_ids, self.min_n, self.max_n)
 
     def propose(self, seq: Seq, k: int) -> Proposal:
-        return Proposal(self._index[seq.slot].propose(k))
+        if self.topk == 1:
+            return Proposal(self._index[seq.slot].propose(k))
+        return trie_proposal(self._index[seq.slot].propose_many(k, self.topk), self.budget)
 
     def feedback(self, seq: Seq, outcome: Outcome) -> None:
         self._index[seq.slot].extend(outcome.committed)
@@ -182,6 +227,35 @@ class NgramDrafter:
         self._index.pop(seq.slot, None)
 
 
+def trie_proposal(continuations: list[list[int]], budget: int) -> Proposal:
+    """Merge token sequences into a trie proposal of at most ``budget`` nodes.
+
+    Worked example: ``[[7, 8], [7, 9], [4]]`` -> tokens ``[7, 8, 9, 4]``, parents
+    ``(0, 1, 1, 0)`` (node 0 is the root; tokens[i] is node i + 1).
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    child: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+    for cont in continuations:
+        node = 0
+        for tok in cont:
+            if (node, tok) not in child:
+                if len(tokens) == budget:
+                    break
+                tokens.append(tok)
+                parents.append(node)
+                child[(node, tok)] = len(tokens)
+            node = child[(node, tok)]
+    if not tokens:
+        return Proposal([])
+    return Proposal(tokens, parents=tuple(parents), children="topk")
+
+
 @register_drafter("ngram")
 def make_ngram_drafter(config: SpeculativeConfig, context: DrafterContext) -> NgramDrafter:
-    return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.speculative_token_tree is not None:
+        raise ValueError("ngram proposes a trie of earlier continuations; speculative_token_tree does not apply")
+    if config.tree_children != "topk":
+        raise ValueError('ngram drafts are deterministic: tree_children must be "topk"')
+    return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max,
+                        config.speculative_eagle_topk, config.tree_budget)
