@@ -185,6 +185,15 @@ def test_ctrl_c_writes_a_partial_report(tmp_path, monkeypatch, capsys):
     assert (out / "speedup.png").is_file() and (out / "acceptance.png").is_file()
 
 
+def test_sampling_runs_report_no_identity_check(tmp_path, capsys):
+    with corrupt_registered():
+        report = make_runner(tmp_path)(tmp_path / "t1", Settings(max_tokens=3, temperature=1.0, warmup=False,
+                                                                 progress=False))
+    assert all(f["identical"] is None for by_cat in report["results"].values() for f in by_cat.values())
+    assert report["goals"]["verispec_t0_identical"]["met"] is None
+    assert all(r["output_tokens"] == 3 for r in report["runs"])
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -161,8 +161,10 @@ def _check_hf(spec: MethodSpec) -> None:
     if spec.name not in HF_METHODS:
         raise ValueError(f"unknown transformers method 'hf:{spec.name}'; valid: hf:plain, hf:assisted:DRAFT, "
                          "hf:prompt_lookup")
-    if (spec.name == "assisted") != (spec.arg is not None):
-        raise ValueError(f"'hf:{spec.name}' {'needs an assistant model: hf:assisted:DRAFT' if spec.arg is None else 'takes no argument'}")
+    if spec.name == "assisted" and spec.arg is None:
+        raise ValueError("'hf:assisted' needs an assistant model: hf:assisted:DRAFT")
+    if spec.name != "assisted" and spec.arg is not None:
+        raise ValueError(f"'hf:{spec.name}' takes no argument")
     hf_generation_options(spec)
 
 
@@ -351,8 +353,8 @@ class Builder:
     load: Callable[[str], Any]
     threads: int | None = None
     gguf: Path | None = None  # the target's GGUF file, for llama.cpp
-    _drafts: dict[str, Any] = field(default_factory=dict)
-    _hf: dict[str, Any] = field(default_factory=dict)
+    _drafts: dict[str, Any] = field(default_factory=dict, init=False)  # name -> verispec LoadedModel
+    _hf: dict[str, Any] = field(default_factory=dict, init=False)  # name ("" = target) -> transformers model
 
     def build(self, spec: MethodSpec) -> Runner:
         return {"verispec": self._verispec, "hf": self._hf_runner, "llamacpp": self._llamacpp}[spec.backend](spec)
