@@ -30,7 +30,7 @@ def make_drafter(kind, draft_model, max_model_len=512):
 
 
 def run(target_model, prompt, params, drafter=None, k=0):
-    spec = SpeculativeConfig(method="given", num_speculative_tokens=k) if k else None
+    spec = SpeculativeConfig(method="given", num_speculative_tokens=k, adaptive=False) if k else None
     return Engine(loaded(target_model), spec, max_model_len=512, drafter=drafter).generate(prompt, params)
 
 
@@ -62,7 +62,7 @@ def test_sampling_over_an_int4_target_matches_its_plain_distribution():
     target, draft = target_and_draft()
     quantize_(target, "int4")
     params = SETTINGS["temperature=1.0"]
-    drafter_engine = Engine(loaded(target), SpeculativeConfig(method="draft_model", num_speculative_tokens=2),
+    drafter_engine = Engine(loaded(target), SpeculativeConfig(method="draft_model", num_speculative_tokens=2, adaptive=False),
                             max_model_len=64, drafter=make_drafter("draft_model", draft, 64))
     counts = sample_counts(lambda p: drafter_engine.generate(DIST_PROMPT, p).output_ids, params)
     pvalue, tv = goodness_of_fit(counts, exact_joint(target, params))

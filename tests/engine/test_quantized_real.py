@@ -20,10 +20,10 @@ def test_smollm2_quantized_target_speculation_identical(smollm, scheme):
     target.model = quantize_(copy.deepcopy(smollm.model), scheme)
     ids = prompt_ids(target, PROMPTS[0])
     plain = Engine(target, max_model_len=MAX_MODEL_LEN).generate(ids, GREEDY)
-    ngram = Engine(target, SpeculativeConfig(method="ngram", num_speculative_tokens=5),
+    ngram = Engine(target, SpeculativeConfig(method="ngram", num_speculative_tokens=5, adaptive=False),
                    max_model_len=MAX_MODEL_LEN).generate(ids, GREEDY)
     drafter = DraftModelDrafter(smollm, smollm.model.config.vocab_size, MAX_MODEL_LEN)  # bf16 draft
-    drafted = Engine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=4),
+    drafted = Engine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=4, adaptive=False),
                      max_model_len=MAX_MODEL_LEN, drafter=drafter).generate(ids, GREEDY)
     assert ngram.output_ids == plain.output_ids
     assert drafted.output_ids == plain.output_ids

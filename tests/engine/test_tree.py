@@ -32,7 +32,7 @@ DRAFTERS = {
 
 
 def engine(target, drafter, max_model_len=256) -> Engine:
-    spec = SpeculativeConfig(method="given", num_speculative_tokens=DEPTH)
+    spec = SpeculativeConfig(method="given", num_speculative_tokens=DEPTH, adaptive=False)
     return Engine(loaded(target), spec, max_model_len=max_model_len, drafter=drafter)
 
 

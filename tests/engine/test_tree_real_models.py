@@ -19,9 +19,9 @@ def test_qwen_coder_draft_tree_and_ngram_trie_identical(qwen_target, qwen_draft,
     target = qwen_target
     drafter = TreeDraftModelDrafter(qwen_draft, target.model.config.vocab_size, MAX_MODEL_LEN,
                                     topk=2, budget=6, depth=3)
-    tree = Engine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=3),
+    tree = Engine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=3, adaptive=False),
                   max_model_len=MAX_MODEL_LEN, drafter=drafter)
-    trie = Engine(target, SpeculativeConfig(method="ngram", num_speculative_tokens=3, speculative_eagle_topk=3,
+    trie = Engine(target, SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False, speculative_eagle_topk=3,
                                             num_draft_tokens=6), max_model_len=MAX_MODEL_LEN)
     for text in PROMPTS:
         ids = prompt_ids(target, text)
