@@ -80,12 +80,15 @@ def parse_methods(text: str) -> list[Method]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Adaptive speculation vs fixed k vs plain, per Spec-Bench category.")
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model (default: %(default)s)")
-    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="draft for draft_model (default: %(default)s)")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct",
+                   help="draft for draft_model (default: %(default)s)")
     p.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS,
-                   help="Spec-Bench question.jsonl (default: shared/data/spec_bench/question.jsonl next to the repository)")
+                   help="Spec-Bench question.jsonl (default: shared/data/spec_bench/question.jsonl next to "
+                        "the repository)")
     p.add_argument("--categories", default=None, help="comma-separated categories (default: all, in file order)")
     p.add_argument("--num-questions", type=int, default=3, help="questions per category (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=128, help="max generated tokens per question (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="max generated tokens per question (default: %(default)s)")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated; plain is always run (default: all)")
     p.add_argument("--k-max", type=int, default=max(FIXED_K), help="most drafts the adaptive controller may choose")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
@@ -279,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             by_label[label] = r
             log(f"  {label:>20}: {r['decode_tokens'] + 1} tokens, decode {r['decode_s']:.2f} s")
         for label in labels:
-            by_label[label]["divergence"] = first_divergence(by_label[label]["output_ids"], by_label["plain"]["output_ids"])
+            plain_ids = by_label["plain"]["output_ids"]
+            by_label[label]["divergence"] = first_divergence(by_label[label]["output_ids"], plain_ids)
             runs.append(by_label[label])
 
     results = aggregate(runs, categories, labels)

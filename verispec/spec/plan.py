@@ -138,7 +138,8 @@ def fit_alpha(times: dict[int, float]) -> float:
     return max(slope, 0.0) / times[1]
 
 
-def measure(target: Decoder, draft: Decoder | None, batch_size: int, repeats: int = 5) -> tuple[float, float | None, dict]:
+def measure(target: Decoder, draft: Decoder | None, batch_size: int,
+            repeats: int = 5) -> tuple[float, float | None, dict]:
     """(alpha, c or None without a draft, the raw step times in seconds)."""
     target_times = step_times(target, MEASURE_WIDTHS, batch_size, repeats)
     alpha = fit_alpha(target_times)
