@@ -121,4 +121,4 @@ def build_drafter(config: SpeculativeConfig, context: DrafterContext) -> Drafter
 
 def _load_builtin_drafters() -> None:
     # Importing the modules runs their @register_drafter decorators.
-    from verispec.spec import draft_model, ngram  # noqa: F401
+    from verispec.spec import draft_model, ngram, suffix  # noqa: F401
