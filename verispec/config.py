@@ -70,11 +70,16 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens: int = 100_000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # Lookahead decoding: Jacobi window W, n-gram size N, guess set G (n-grams kept per token).
+    lookahead_window_size: int = 4
+    lookahead_ngram_size: int = 4
+    lookahead_guess_set_size: int = 4
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                      "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
-                     "suffix_decoding_max_cached_tokens"):
+                     "suffix_decoding_max_cached_tokens", "lookahead_window_size", "lookahead_ngram_size",
+                     "lookahead_guess_set_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -90,6 +95,9 @@ class SpeculativeConfig:
                 f"{self.prompt_lookup_min}..{self.prompt_lookup_max}"
             )
         self._check_suffix_decoding()
+        for name, low in (("lookahead_window_size", 1), ("lookahead_ngram_size", 2), ("lookahead_guess_set_size", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
     def _check_suffix_decoding(self) -> None:
         for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):

@@ -23,7 +23,7 @@ def suffix_engine(model, k: int, max_model_len: int = 512, **options) -> Engine:
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["short", "long"])
-@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("k", [1, 6])
 def test_greedy_output_identical_to_plain(target, prompt, k):
     params = SamplingParams(temperature=0.0, max_tokens=60)
     plain = Engine(loaded(target), max_model_len=512).generate(prompt, params)
@@ -35,22 +35,25 @@ def test_greedy_output_identical_to_plain(target, prompt, k):
     assert engine.metrics.num_draft_tokens > 0
 
 
-def test_second_similar_request_drafts_from_the_global_cache(target):
+@pytest.mark.parametrize("follow_up", ["repeat", "extend"])
+def test_follow_up_request_drafts_from_the_global_cache(target, follow_up):
+    """A repeated request, or one that extends the first with part of its answer (an agentic
+    turn), continues with tokens only the first request's output holds."""
     params = SamplingParams(temperature=0.0, max_tokens=40)
-    variant = PROMPT[:-1] + [5]  # the same request with a small change at the end
-    plain = Engine(loaded(target), max_model_len=512).generate(variant, params)
+    first = Engine(loaded(target), max_model_len=512).generate(PROMPT, params).output_ids
+    second = PROMPT if follow_up == "repeat" else PROMPT + first[:8]
+    plain = Engine(loaded(target), max_model_len=512).generate(second, params)
 
-    def accepted_on_variant(max_cached_requests: int) -> int:
-        engine = suffix_engine(target, 6, suffix_decoding_max_cached_requests=max_cached_requests,
-                               suffix_decoding_max_spec_factor=2.0)
-        engine.generate(PROMPT, params)
-        seq = engine.generate(variant, params)
+    def accepted_on_second(max_cached_requests: int) -> int:
+        engine = suffix_engine(target, 6, suffix_decoding_max_cached_requests=max_cached_requests)
+        assert engine.generate(PROMPT, params).output_ids == first
+        seq = engine.generate(second, params)
         assert seq.output_ids == plain.output_ids
         return seq.metrics.num_accepted_tokens
 
-    with_cache, without_cache = accepted_on_variant(10), accepted_on_variant(0)
-    print(f"accepted on the variant: {with_cache} with the global cache, {without_cache} without")
-    assert with_cache > without_cache
+    with_cache, without_cache = accepted_on_second(10), accepted_on_second(0)
+    print(f"{follow_up}: accepted {with_cache} drafts with the global cache, {without_cache} without")
+    assert with_cache >= 20 and with_cache > 4 * without_cache
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +61,8 @@ def dist_target():
     return target_and_draft()[0]
 
 
-@pytest.mark.parametrize("name", ["temperature=1.0", "top_k=5"])
-def test_sampled_distribution_matches_plain(dist_target, name):
+def test_sampled_distribution_matches_plain(dist_target):
+    name = "temperature=1.0"
     params = SETTINGS[name]
     # min_token_prob 0: draft whatever was seen, so drafts are frequent and often rejected.
     engine = suffix_engine(dist_target, 2, max_model_len=64, suffix_decoding_min_token_prob=0.0,
@@ -69,7 +72,7 @@ def test_sampled_distribution_matches_plain(dist_target, name):
     m = engine.metrics
     print(f"{name}: {m.num_draft_tokens} drafts, acceptance {m.acceptance_rate:.3f}, "
           f"chi2 p={pvalue:.4f}, max marginal TV={tv:.4f}")
-    assert m.num_draft_tokens > 1000 and 0.05 < m.acceptance_rate < 0.9
+    assert m.num_draft_tokens > 1000 and 0 < m.acceptance_rate < 0.9  # both verdicts are exercised
     assert passes(pvalue, tv)
 
 
