@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tiny import loaded, tiny_model
@@ -92,3 +93,10 @@ def test_jacobi_window_fills_then_collects_ngrams() -> None:
     assert state.rows == [[30, 31], [40, 41]]
     assert (30, 40) in drafter._requests[0].pool.candidates(first[0])
     assert (31, 41) in drafter._requests[0].pool.candidates(first[1])
+
+
+@pytest.mark.parametrize("key,value", [("lookahead_window_size", 0), ("lookahead_ngram_size", 1),
+                                       ("lookahead_guess_set_size", 0)])
+def test_bad_lookahead_config_is_a_clear_error(key, value) -> None:
+    with pytest.raises(ValueError, match=f"{key} must be >= "):
+        SpeculativeConfig(method="lookahead", **{key: value})

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from verispec.config import SpeculativeConfig
 from verispec.spec.base import Outcome
-from verispec.spec.suffix import SuffixDrafter, SuffixStore, SuffixTrie
+from verispec.spec.suffix import SuffixDrafter, SuffixStore, SuffixTrie, make_suffix_drafter
 
 
 def occurrences(seqs: list[list[int]], sub: list[int]) -> tuple[int, int]:
@@ -193,3 +194,29 @@ def test_finished_output_drafts_for_the_next_request() -> None:
     lonely = SuffixDrafter(8, 0, 1000, max_spec_factor=2.0, min_token_prob=0.1)
     lonely.start(second)
     assert lonely.propose(second, 3).tokens == []
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_config_keys_follow_vllm_names() -> None:
+    cfg = SpeculativeConfig.from_dict({
+        "method": "suffix", "suffix_decoding_max_tree_depth": 32, "suffix_decoding_max_cached_requests": 5,
+        "suffix_decoding_max_spec_factor": 2.0, "suffix_decoding_min_token_prob": 0.2,
+    })
+    drafter = make_suffix_drafter(cfg, None)
+    assert (drafter.depth, drafter.store.max_requests, drafter.max_spec_factor, drafter.min_token_prob) == (
+        32, 5, 2.0, 0.2)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("suffix_decoding_max_tree_depth", 1, "max_tree_depth must be >= 2"),
+    ("suffix_decoding_max_cached_requests", -1, "max_cached_requests must be >= 0"),
+    ("suffix_decoding_max_cached_tokens", 1.5, "max_cached_tokens must be an integer"),
+    ("suffix_decoding_max_spec_factor", 0, "max_spec_factor must be > 0"),
+    ("suffix_decoding_min_token_prob", 1.5, r"min_token_prob must be in \[0, 1\]"),
+    ("suffix_decoding_min_token_prob", "high", "min_token_prob must be a number"),
+])
+def test_bad_suffix_config_is_a_clear_error(key, value, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(method="suffix", **{key: value})
