@@ -193,6 +193,9 @@ class Engine:
         if self.model.config.sliding_window is not None:
             raise ValueError("aux branches (lookahead) do not support sliding-window attention")
         device, m = self.model.device, len(aux.tokens)
+        if len(aux.positions) != m or tuple(aux.mask.shape) != (m, n1 + m):
+            raise ValueError(f"aux branch of {m} tokens needs {m} positions and a [{m}, {n1 + m}] mask; got "
+                             f"{len(aux.positions)} positions and a {list(aux.mask.shape)} mask")
         mask = torch.ones(n1 + m, start + n1 + m, dtype=torch.bool, device=device)
         mask[:n1, start:] = torch.ones(n1, n1 + m, dtype=torch.bool, device=device).tril()
         mask[n1:, start:] = aux.mask.to(device)
