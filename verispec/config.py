@@ -84,11 +84,26 @@ class SpeculativeConfig:
     speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
     tree_children: str = "topk"
 
+    # Suffix decoding (vLLM's names and defaults; max_cached_tokens is verispec's memory bound:
+    # the global store holds at most that many tokens, max_tree_depth trie nodes per token).
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_cached_tokens: int = 100_000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    # Lookahead decoding: Jacobi window W, n-gram size N, guess set G (n-grams kept per token).
+    lookahead_window_size: int = 4
+    lookahead_ngram_size: int = 4
+    lookahead_guess_set_size: int = 4
+
     def __post_init__(self) -> None:
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
         self._check_tree()
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "speculative_eagle_topk"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "speculative_eagle_topk",
+                     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                     "suffix_decoding_max_cached_tokens", "lookahead_window_size", "lookahead_ngram_size",
+                     "lookahead_guess_set_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -102,6 +117,32 @@ class SpeculativeConfig:
             raise ValueError(
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                 f"{self.prompt_lookup_min}..{self.prompt_lookup_max}"
+            )
+        self._check_suffix_decoding()
+        for name, low in (("lookahead_window_size", 1), ("lookahead_ngram_size", 2), ("lookahead_guess_set_size", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+
+    def _check_suffix_decoding(self) -> None:
+        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.suffix_decoding_max_tree_depth < 2:
+            raise ValueError(
+                f"suffix_decoding_max_tree_depth must be >= 2 (one matched and one drafted token), "
+                f"got {self.suffix_decoding_max_tree_depth}"
+            )
+        for name in ("suffix_decoding_max_cached_requests", "suffix_decoding_max_cached_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 disables the global cache), got {getattr(self, name)}")
+        if self.suffix_decoding_max_spec_factor <= 0:
+            raise ValueError(
+                f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_decoding_max_spec_factor}"
+            )
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise ValueError(
+                f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_decoding_min_token_prob}"
             )
 
     @property

@@ -34,7 +34,9 @@ from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.detokenize import IncrementalDetokenizer
 from verispec.engine.sequence import Sequence
 from verispec.sampling import logits_to_probs, make_generator
-from verispec.spec.base import EMPTY_PROPOSAL, Drafter, DrafterContext, Outcome, Proposal, build_drafter
+from verispec.spec.base import (
+    EMPTY_PROPOSAL, AuxBranch, Drafter, DrafterContext, Outcome, Proposal, build_drafter,
+)
 from verispec.spec.controller import Controller, RoundReport, build_controller
 from verispec.spec.metrics import SpecMetrics
 from verispec.spec.tree import Tree, tree_layout
@@ -50,6 +52,7 @@ class Verified:
     result: VerifyResult
     cache_start: int  # target cache length before the verify pass (L)
     path: tuple[int, ...] | None = None  # tree proposals: accepted nodes (root = node 0 excluded)
+    aux_logits: torch.Tensor | None = None  # [m, V] logits of the proposal's aux branch
 
 
 class Engine:
@@ -175,17 +178,52 @@ class Engine:
 
     def _verify(self, seq: Sequence, proposal: Proposal) -> Verified:
         if proposal.parents is not None:
+            if proposal.aux is not None:
+                raise NotImplementedError("a proposal cannot be a tree and carry an aux branch yet")
             return self._verify_tree(seq, proposal)
         start = self.cache.length(seq.slot)
         if start + len(proposal) + 1 > self.max_model_len:
             raise ValueError(f"the sequence reached max_model_len={self.max_model_len}")
+        segment = [seq.output_ids[-1], *proposal.tokens]  # t, d_1..d_n
+        aux = proposal.aux
+        if aux is not None and start + len(segment) + len(aux.tokens) > self.max_model_len:
+            aux = None  # the branch only helps drafting: skip it when the cache is nearly full
+        tokens, offsets = segment, list(range(len(segment)))
+        mask = None
+        if aux is not None:
+            tokens, offsets = segment + aux.tokens, offsets + aux.positions
+            mask = self._aux_mask(start, len(segment), aux)
         device = self.model.device
-        ids = torch.tensor([[seq.output_ids[-1], *proposal.tokens]], device=device)  # [1, n+1]
-        positions = torch.arange(start, start + ids.shape[1], device=device)[None]  # [1, n+1]
+        ids = torch.tensor([tokens], device=device)  # [1, n+1+m]
+        positions = start + torch.tensor([offsets], device=device)  # [1, n+1+m]
         t0 = time.perf_counter()
-        logits = self.model(ids, positions, self.cache, slots=[seq.slot])  # [1, n+1, V]
+        logits = self.model(ids, positions, self.cache, mask, slots=[seq.slot])  # [1, n+1+m, V]
         seq.metrics.record_target(ids.shape[1], time.perf_counter() - t0)
-        return Verified(self._verify_logits(seq, proposal, logits), start)
+        n1 = len(segment)
+        aux_logits = None if aux is None else logits[0, n1:]  # [m, V]
+        return Verified(self._verify_logits(seq, proposal, logits[:, :n1]), start, aux_logits=aux_logits)
+
+    def _aux_mask(self, start: int, n1: int, aux: AuxBranch) -> torch.Tensor:
+        """Attention mask [1, n1+m, start+n1+m] for the verify segment followed by an aux branch.
+
+        Worked example, cache length 3, segment [t, d1] (n1 = 2) and 2 aux rows::
+
+            row   cache 0 1 2 | t d1 | a1 a2
+            t           1 1 1 | 1 0  | 0  0     (causal, as without the branch)
+            d1          1 1 1 | 1 1  | 0  0
+            a1          1 1 1 | aux.mask[0]
+            a2          1 1 1 | aux.mask[1]
+        """
+        if self.model.config.sliding_window is not None:
+            raise ValueError("aux branches (lookahead) do not support sliding-window attention")
+        device, m = self.model.device, len(aux.tokens)
+        if len(aux.positions) != m or tuple(aux.mask.shape) != (m, n1 + m):
+            raise ValueError(f"aux branch of {m} tokens needs {m} positions and a [{m}, {n1 + m}] mask; got "
+                             f"{len(aux.positions)} positions and a {list(aux.mask.shape)} mask")
+        mask = torch.ones(n1 + m, start + n1 + m, dtype=torch.bool, device=device)
+        mask[:n1, start:] = torch.ones(n1, n1 + m, dtype=torch.bool, device=device).tril()
+        mask[n1:, start:] = aux.mask.to(device)
+        return mask[None]
 
     def _verify_logits(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> VerifyResult:
         p = seq.params
@@ -219,7 +257,7 @@ class Engine:
 
     def _accept(self, seq: Sequence, proposal: Proposal, verified: Verified) -> tuple[Outcome, str]:
         committed, text = seq.append(verified.result.committed(0))
-        outcome = Outcome(len(proposal), int(verified.result.num_accepted[0]), committed)
+        outcome = Outcome(len(proposal), int(verified.result.num_accepted[0]), committed, verified.aux_logits)
         seq.metrics.record_round(outcome.num_proposed, outcome.num_accepted, len(committed))
         return outcome, text
 

@@ -32,6 +32,22 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class AuxBranch:
+    """Extra positions a drafter asks the target to compute in the verify pass (lookahead).
+
+    They go after the verify segment ``[t, d_1..d_n]`` (offsets ``0..n``), so the segment's own
+    rows never see them and verification is unchanged; their logits come back in
+    ``Outcome.aux_logits`` and their K/V is dropped with the rejected drafts. Every aux row
+    attends to the whole cached prefix; ``mask`` says which rows of the segment and of the branch
+    it also attends to. ``positions`` are RoPE positions relative to ``t``'s.
+    """
+
+    tokens: list[int]  # [m]
+    positions: list[int]  # [m], offsets from t's position
+    mask: Tensor  # [m, n + 1 + m] bool over (t, d_1..d_n, aux_1..aux_m)
+
+
+@dataclass(frozen=True)
 class Proposal:
     """Draft tokens for one sequence.
 
@@ -50,6 +66,7 @@ class Proposal:
     probs: Tensor | None = None  # [n, vocab] float32
     parents: tuple[int, ...] | None = None  # [n] for a tree proposal
     children: str = "topk"  # tree proposals: "topk" | "iid" | "without_replacement"
+    aux: AuxBranch | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -70,6 +87,7 @@ class Outcome:
     num_proposed: int
     num_accepted: int
     committed: list[int]
+    aux_logits: Tensor | None = None  # [m, vocab] target logits of the proposal's aux branch
 
 
 class Drafter(Protocol):
@@ -129,4 +147,4 @@ def build_drafter(config: SpeculativeConfig, context: DrafterContext) -> Drafter
 
 def _load_builtin_drafters() -> None:
     # Importing the modules runs their @register_drafter decorators.
-    from verispec.spec import draft_model, ngram  # noqa: F401
+    from verispec.spec import draft_model, lookahead, ngram, suffix  # noqa: F401
