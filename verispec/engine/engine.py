@@ -1,5 +1,11 @@
 """The generation loop: prefill, then rounds of propose → verify → accept → commit.
 
+The engine runs a batch of sequences, each in its own slot of one preallocated KV cache
+(``max_num_seqs`` slots, never reallocated). A request joins with :meth:`Engine.add_request`
+(which prefills it), every :meth:`Engine.step` advances all running sequences by one round with
+ONE target forward, and a finished (or aborted) sequence frees its slot for the next request.
+:meth:`Engine.generate` is the batch-of-one case.
+
 The engine works on token ids; text appears only where stop strings need it (through the
 sequence's detokenizer). Plain decoding is the same loop with no drafter: every round proposes
 nothing and the target's single-position pass yields exactly one token, so plain and speculative
@@ -14,6 +20,16 @@ the last, ``t``)::
              a <= n drafts and adds one recovered-or-bonus token x
     accept   commit d_1..d_a, x, stopping early on EOS / stop string / max_tokens
     commit   roll the target cache back to L + 1 + a; tell the drafter the outcome
+
+In a batch every sequence proposes its own drafts (a different number, or none); the verify
+pass pads every row to the longest, ``T = 1 + max n``. Row b writes its T tokens at its own
+cache indices ``L_b .. L_b + T`` and its positions are ``L_b + [0, T)``, so the decoder's causal
+mask (key index <= query index, per row) is exactly the mask each row needs: a real token never
+sees the padding after it, and a row never sees another row's slot. Padding K/V is discarded by
+the commit's rollback. Each row is verified on its own with its own generator, so a sequence's
+output does not depend on its neighbours as long as the decoder rows are batch invariant (bf16
+linear rows are bitwise invariant on CPU; attention reduces per row over block-padded lengths).
+The cache keeps ``k`` positions of headroom past ``max_model_len`` so padding always fits.
 """
 
 from __future__ import annotations
@@ -27,6 +43,7 @@ import torch
 
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.detokenize import IncrementalDetokenizer
+from verispec.engine.batch_k import StepCosts, choose_k
 from verispec.engine.sequence import Sequence
 from verispec.sampling import logits_to_probs, make_generator
 from verispec.spec.base import EMPTY_PROPOSAL, Drafter, DrafterContext, Outcome, Proposal, build_drafter
@@ -44,14 +61,15 @@ class Verified:
 
 
 class Engine:
-    """Single-sequence generation with an optional drafter.
+    """Batched generation with an optional drafter.
 
     Args:
         target: the loaded target model.
         speculative: which drafter to use; ``None`` for plain decoding.
-        max_model_len: prompt + output positions the KV cache holds.
+        max_model_len: prompt + output positions one sequence may hold.
         drafter: an already built drafter, instead of building one from ``speculative``
             (which then only supplies ``num_speculative_tokens``).
+        max_num_seqs: sequences that can run at once (cache slots).
     """
 
     def __init__(
@@ -61,16 +79,23 @@ class Engine:
         *,
         max_model_len: int = 4096,
         drafter: Drafter | None = None,
+        max_num_seqs: int = 1,
     ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.target = target
         self.model = target.model
         self.max_model_len = min(max_model_len, self.model.config.max_position_embeddings)
-        self.cache = self.model.new_cache(self.max_model_len)
         self.k = speculative.num_speculative_tokens if speculative else 0
+        # k positions of headroom: a verify pass pads every row to the longest proposal.
+        self.cache = self.model.new_cache(self.max_model_len + self.k, num_slots=max_num_seqs)
         if drafter is None and speculative is not None:
-            drafter = build_drafter(speculative, DrafterContext(target, self.max_model_len))
+            drafter = build_drafter(speculative, DrafterContext(target, self.max_model_len, max_num_seqs))
         self.drafter = drafter
-        self.metrics = SpecMetrics()  # aggregated over all requests
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
+        self.running: list[Sequence] = []
+        self.costs = StepCosts()  # measured costs that batch-aware k is chosen from
+        self.metrics = SpecMetrics()  # aggregated over finished requests
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -81,38 +106,67 @@ class Engine:
         on_text: Callable[[str], None] | None = None,
     ) -> Sequence:
         """Generate a completion for ``prompt_ids``; ``on_text`` receives text as it streams."""
-        seq = self._prefill(prompt_ids, params)
+        seq = self.add_request(prompt_ids, params)
         emit = on_text or (lambda _text: None)
         emit(seq.text)
         while not seq.finished:
-            emit(self.step(seq))
-        if self.drafter is not None:
-            self.drafter.finish(seq)
-        self.metrics.merge(seq.metrics)
+            emit(self.step().get(seq, ""))
         return seq
 
-    def step(self, seq: Sequence) -> str:
-        """One round: propose → verify → accept → commit. Returns the new text."""
-        if self.cache.length(seq.slot) + 1 > self.max_model_len:
-            seq.finish_reason = "length"  # the context is full, as in vLLM
-            return ""
-        t0 = time.perf_counter()
-        proposal = self._propose(seq)
-        t1 = time.perf_counter()
-        verified = self._verify(seq, proposal)
-        t2 = time.perf_counter()
-        outcome, text = self._accept(seq, proposal, verified)
-        self._commit(seq, verified, outcome)
-        t3 = time.perf_counter()
-        m = seq.metrics
-        m.draft_time_s += t1 - t0
-        m.verify_time_s += t2 - t1
-        m.other_time_s += t3 - t2
-        return text
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, num_speculative_tokens: int | None = None
+    ) -> Sequence:
+        """Prefill a new sequence into a free slot; it runs from the next :meth:`step` on.
+
+        ``num_speculative_tokens`` caps this request's drafts per round (0 disables speculation
+        for it); ``None`` uses the engine's k. Raises ``RuntimeError`` when every slot is taken.
+        """
+        if not self.free_slots:
+            raise RuntimeError(f"all {self.cache.num_slots} sequence slots are in use")
+        seq = self._prefill(prompt_ids, params, self.free_slots[-1], num_speculative_tokens)
+        self.free_slots.pop()
+        self.running.append(seq)
+        if seq.finished:
+            self._release(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a running sequence now and free its slot (a client went away)."""
+        if seq in self.running:
+            seq.finish_reason = "abort"
+            self._release(seq)
+
+    def step(self) -> dict[Sequence, str]:
+        """One round for every running sequence: propose → verify → accept → commit.
+
+        Returns the new text of each sequence that took part. Sequences that finish leave the
+        batch and free their slot.
+        """
+        for seq in self.running:
+            if self.cache.length(seq.slot) + 1 > self.max_model_len:
+                seq.finish_reason = "length"  # the context is full, as in vLLM
+        batch = [seq for seq in self.running if not seq.finished]
+        texts: dict[Sequence, str] = {}
+        if batch:
+            k = choose_k(self.k, len(batch), self.costs)
+            proposals = [self._propose(seq, self.k if _seeded(seq) else k) for seq in batch]
+            verified = self._verify(batch, proposals)
+            t0 = time.perf_counter()
+            for seq, proposal, v in zip(batch, proposals, verified):
+                outcome, texts[seq] = self._accept(seq, proposal, v)
+                self._commit(seq, v, outcome)
+            share = (time.perf_counter() - t0) / len(batch)
+            for seq in batch:
+                seq.metrics.other_time_s += share
+        for seq in [s for s in self.running if s.finished]:
+            self._release(seq)
+        return texts
 
     # ---- phases ------------------------------------------------------------------------------
 
-    def _prefill(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def _prefill(
+        self, prompt_ids: list[int], params: SamplingParams, slot: int, num_speculative_tokens: int | None
+    ) -> Sequence:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         if len(prompt_ids) >= self.max_model_len:
@@ -126,6 +180,8 @@ class Engine:
             generator=make_generator(params.seed, self.model.device),
             eos_token_ids=tok.eos_token_ids,
             detokenizer=IncrementalDetokenizer(tok.hf, prompt_ids),
+            slot=slot,
+            num_speculative_tokens=num_speculative_tokens,
         )
         t0 = time.perf_counter()
         self.cache.reset(seq.slot)
@@ -139,31 +195,46 @@ class Engine:
         seq.metrics.prefill_time_s += time.perf_counter() - t0
         return seq
 
-    def _propose(self, seq: Sequence) -> Proposal:
+    def _propose(self, seq: Sequence, k: int) -> Proposal:
         # Never draft past max_tokens or past the cache: the verify pass writes n + 1 positions.
         room = min(
-            self.k,
+            k if seq.num_speculative_tokens is None else min(k, seq.num_speculative_tokens),
             seq.params.max_tokens - len(seq.output_ids) - 1,
             self.max_model_len - self.cache.length(seq.slot) - 1,
         )
         if self.drafter is None or room <= 0:
             return EMPTY_PROPOSAL
+        t0 = time.perf_counter()
         proposal = self.drafter.propose(seq, room)
+        elapsed = time.perf_counter() - t0
+        seq.metrics.draft_time_s += elapsed
+        self.costs.record_proposal(len(proposal), elapsed)
         if len(proposal) > room:
             raise RuntimeError(f"drafter proposed {len(proposal)} tokens, more than the {room} asked for")
         return proposal
 
-    def _verify(self, seq: Sequence, proposal: Proposal) -> Verified:
-        start = self.cache.length(seq.slot)
-        if start + len(proposal) + 1 > self.max_model_len:
-            raise ValueError(f"the sequence reached max_model_len={self.max_model_len}")
+    def _verify(self, batch: list[Sequence], proposals: list[Proposal]) -> list[Verified]:
+        """ONE target forward over every sequence's last token and drafts, rows padded to T."""
+        starts = [self.cache.length(seq.slot) for seq in batch]
+        width = 1 + max(len(p) for p in proposals)  # T
+        # Padding repeats the row's last token; the causal mask hides it from the real tokens.
+        rows = [[seq.output_ids[-1], *p.tokens] + [seq.output_ids[-1]] * (width - 1 - len(p))
+                for seq, p in zip(batch, proposals)]
         device = self.model.device
-        ids = torch.tensor([[seq.output_ids[-1], *proposal.tokens]], device=device)  # [1, n+1]
-        positions = torch.arange(start, start + ids.shape[1], device=device)[None]  # [1, n+1]
+        ids = torch.tensor(rows, device=device)  # [B, T]
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)  # [B, T]
         t0 = time.perf_counter()
-        logits = self.model(ids, positions, self.cache, slots=[seq.slot])  # [1, n+1, V]
-        seq.metrics.record_target(ids.shape[1], time.perf_counter() - t0)
-        return Verified(self._verify_logits(seq, proposal, logits), start)
+        logits = self.model(ids, positions, self.cache, slots=[seq.slot for seq in batch])  # [B, T, V]
+        elapsed = time.perf_counter() - t0
+        self.costs.record_forward(len(batch) * width, elapsed)
+        verified = []
+        for b, (seq, proposal) in enumerate(zip(batch, proposals)):
+            seq.metrics.verify_time_s += elapsed / len(batch)
+            if len(batch) == 1:
+                seq.metrics.record_target(width, elapsed)  # single-sequence cost model (c, alpha)
+            row_logits = logits[b : b + 1, : len(proposal) + 1]  # [1, n+1, V]
+            verified.append(Verified(self._verify_logits(seq, proposal, row_logits), starts[b]))
+        return verified
 
     def _verify_logits(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> VerifyResult:
         p = seq.params
@@ -181,8 +252,25 @@ class Engine:
         return outcome, text
 
     def _commit(self, seq: Sequence, verified: Verified, outcome: Outcome) -> None:
-        # The pass wrote t, d_1..d_n; keep t and the accepted drafts (the last committed token's
-        # K/V is written next round).
+        # The pass wrote t, d_1..d_n (and padding); keep t and the accepted drafts (the last
+        # committed token's K/V is written next round).
         self.cache.truncate(seq.slot, verified.cache_start + len(outcome.committed))
+        self.costs.record_acceptance(outcome.num_accepted)
         if self.drafter is not None and not seq.finished:
             self.drafter.feedback(seq, outcome)
+
+    def _release(self, seq: Sequence) -> None:
+        """A finished sequence leaves the batch: drop drafter state, free its slot."""
+        self.running.remove(seq)
+        if self.drafter is not None:
+            self.drafter.finish(seq)
+        self.cache.reset(seq.slot)
+        self.free_slots.append(seq.slot)
+        self.metrics.merge(seq.metrics)
+
+
+def _seeded(seq: Sequence) -> bool:
+    """A seeded sampled request keeps the full k: its random draws depend on how many drafts
+    each round verifies, and a k that followed measured timings would make the seed
+    irreproducible. (Greedy output does not depend on k at all.)"""
+    return seq.params.seed is not None and not seq.params.greedy
