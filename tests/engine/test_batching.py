@@ -132,7 +132,8 @@ def test_choose_k_shrinks_as_the_forward_turns_compute_bound():
         costs.record_forward(rows, 0.010 + 0.001 * rows)
     costs.record_proposal(100, 0.0)
     costs.record_acceptance(70)
-    ks = [choose_k(4, b, costs) for b in (1, 4, 32)]
-    assert ks[0] == 4 and ks[0] >= ks[1] >= ks[2] and ks[2] <= 1
+    ks = [choose_k(4, b, costs) for b in (2, 4, 32)]
+    assert ks[0] >= ks[1] >= ks[2] and ks[0] >= 3 and ks[2] == 0
+    assert choose_k(4, 1, costs) == 4  # batch 1: the configured k stands
     assert choose_k(4, 8, StepCosts()) == 4  # no measurements yet: use k
     assert expected_tokens(0, 0.7) == 1.0 and expected_tokens(3, 1.0) == 4.0

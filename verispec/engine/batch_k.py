@@ -17,6 +17,9 @@ with per-draft acceptance rate ``a`` (independent acceptances, bonus included), 
 measured target forward time over ``M`` rows (a least-squares line through the per-``M``
 means), and ``d`` the measured drafting time per draft token. Until two different row counts
 have been measured the line is unknown and the full k is used, which also gathers the data.
+
+At batch size 1 the configured k stands: choosing k for a single sequence is the adaptive
+controller's job, and ``verispec generate`` keeps doing exactly what its flags say.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def expected_tokens(k: int, a: float) -> float:
 def choose_k(k: int, batch_size: int, costs: StepCosts) -> int:
     """The per-sequence number of drafts for a batch of ``batch_size`` (see the module doc)."""
     line = costs.forward_line()
-    if k <= 0 or line is None:
+    if k <= 0 or batch_size == 1 or line is None:
         return k
     intercept, slope = line
     a, d = costs.acceptance_rate, costs.draft_time_per_token

@@ -118,8 +118,9 @@ class Engine:
     ) -> Sequence:
         """Prefill a new sequence into a free slot; it runs from the next :meth:`step` on.
 
-        ``num_speculative_tokens`` caps this request's drafts per round (0 disables speculation
-        for it); ``None`` uses the engine's k. Raises ``RuntimeError`` when every slot is taken.
+        ``num_speculative_tokens`` pins this request's drafts per round (at most the engine's k;
+        0 disables speculation for it); ``None`` lets the engine choose (batch-aware k). Raises
+        ``RuntimeError`` when every slot is taken.
         """
         if not self.free_slots:
             raise RuntimeError(f"all {self.cache.num_slots} sequence slots are in use")
@@ -149,7 +150,7 @@ class Engine:
         texts: dict[Sequence, str] = {}
         if batch:
             k = choose_k(self.k, len(batch), self.costs)
-            proposals = [self._propose(seq, self.k if _seeded(seq) else k) for seq in batch]
+            proposals = [self._propose(seq, self._k_for(seq, k)) for seq in batch]
             verified = self._verify(batch, proposals)
             t0 = time.perf_counter()
             for seq, proposal, v in zip(batch, proposals, verified):
@@ -198,7 +199,7 @@ class Engine:
     def _propose(self, seq: Sequence, k: int) -> Proposal:
         # Never draft past max_tokens or past the cache: the verify pass writes n + 1 positions.
         room = min(
-            k if seq.num_speculative_tokens is None else min(k, seq.num_speculative_tokens),
+            k,
             seq.params.max_tokens - len(seq.output_ids) - 1,
             self.max_model_len - self.cache.length(seq.slot) - 1,
         )
@@ -212,6 +213,17 @@ class Engine:
         if len(proposal) > room:
             raise RuntimeError(f"drafter proposed {len(proposal)} tokens, more than the {room} asked for")
         return proposal
+
+    def _k_for(self, seq: Sequence, batch_k: int) -> int:
+        """Drafts this sequence may propose: its request's own k if it set one, else the k
+        chosen for the batch. A seeded sampled request keeps the full k: its random draws depend
+        on how many drafts each round verifies, and a k that followed measured timings would
+        make the seed irreproducible (greedy output does not depend on k at all)."""
+        if seq.num_speculative_tokens is not None:
+            return min(seq.num_speculative_tokens, self.k)
+        if seq.params.seed is not None and not seq.params.greedy:
+            return self.k
+        return batch_k
 
     def _verify(self, batch: list[Sequence], proposals: list[Proposal]) -> list[Verified]:
         """ONE target forward over every sequence's last token and drafts, rows padded to T."""
@@ -268,9 +280,3 @@ class Engine:
         self.free_slots.append(seq.slot)
         self.metrics.merge(seq.metrics)
 
-
-def _seeded(seq: Sequence) -> bool:
-    """A seeded sampled request keeps the full k: its random draws depend on how many drafts
-    each round verifies, and a k that followed measured timings would make the seed
-    irreproducible. (Greedy output does not depend on k at all.)"""
-    return seq.params.seed is not None and not seq.params.greedy
