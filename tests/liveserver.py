@@ -21,6 +21,7 @@ from verispec.config import SpeculativeConfig
 from verispec.engine.engine import Engine
 from verispec.models.tokenizer import Tokenizer
 from verispec.server.app import build_app
+from verispec.server.serve import GracefulServer
 from verispec.spec.draft_model import DraftModelDrafter
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -66,8 +67,8 @@ class LiveServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10)
+        self.server = GracefulServer(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:
@@ -93,13 +94,13 @@ class LiveServer:
 
 
 def make_server(max_num_seqs: int = 4, max_queue: int = 64, api_key: str | None = API_KEY,
-                speculative: bool = True) -> LiveServer:
+                shutdown_grace_s: float = 1.0) -> LiveServer:
     target, draft = tiny_target_and_draft()
     drafter = DraftModelDrafter(draft, target.model.config.vocab_size, MAX_MODEL_LEN, num_slots=max_num_seqs)
-    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=K) if speculative else None
-    engine = Engine(target, spec, max_model_len=MAX_MODEL_LEN, drafter=drafter if speculative else None,
-                    max_num_seqs=max_num_seqs)
-    return LiveServer(build_app(engine, "tiny", api_key=api_key, max_queue=max_queue, shutdown_grace_s=1.0))
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=K)
+    engine = Engine(target, spec, max_model_len=MAX_MODEL_LEN, drafter=drafter, max_num_seqs=max_num_seqs)
+    return LiveServer(build_app(engine, "tiny", api_key=api_key, max_queue=max_queue,
+                                shutdown_grace_s=shutdown_grace_s))
 
 
 def wait_idle(live: LiveServer, timeout: float = 20.0) -> None:

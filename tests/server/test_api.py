@@ -175,7 +175,8 @@ def test_health_and_metrics_need_no_key(server, client):
     for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
                  "spec_decode_num_accepted_tokens_total", "generation_tokens_total"):
         assert values["verispec:" + name] > 0, name
-    per_pos = sum(v for n, v in values.items() if n.startswith("verispec:spec_decode_num_accepted_tokens_per_pos"))
+    per_pos = sum(v for n, v in values.items()
+                  if n.startswith("verispec:spec_decode_num_accepted_tokens_per_pos_total{"))
     assert per_pos == values["verispec:spec_decode_num_accepted_tokens_total"]
     assert values['verispec:time_to_first_token_seconds_count'] > 0
     assert values['verispec:inter_token_latency_seconds_count'] > 0

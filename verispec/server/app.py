@@ -54,13 +54,13 @@ class APIError(Exception):
 def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, max_queue: int = 64,
               shutdown_grace_s: float = 5.0) -> FastAPI:
     """The app serving ``engine`` as model ``model_name``; the engine thread runs with the app."""
-    runner = EngineRunner(engine, ServerMetrics(), max_queue)
+    runner = EngineRunner(engine, ServerMetrics(), max_queue, shutdown_grace_s)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         runner.start()
         yield
-        await asyncio.to_thread(runner.stop, shutdown_grace_s)
+        await asyncio.to_thread(runner.stop)
 
     app = FastAPI(title="verispec", lifespan=lifespan)
     app.state.runner = runner

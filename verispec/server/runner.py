@@ -72,10 +72,12 @@ class Request:
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 64) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 64,
+                 shutdown_grace_s: float = 5.0) -> None:
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
+        self.shutdown_grace_s = shutdown_grace_s
         self._waiting: deque[Request] = deque()
         self._running: dict[Sequence, Request] = {}
         self._cond = threading.Condition()
@@ -104,12 +106,17 @@ class EngineRunner:
             request.cancelled = True
             self._cond.notify()
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """Refuse new requests, let running ones finish for ``grace_s``, abort the rest."""
+    def begin_stop(self) -> None:
+        """Refuse new requests from now on; abort what still runs after the grace period."""
         with self._cond:
-            self._stopping = True
-            self._deadline = time.monotonic() + grace_s
+            if not self._stopping:
+                self._stopping = True
+                self._deadline = time.monotonic() + self.shutdown_grace_s
             self._cond.notify()
+
+    def stop(self) -> None:
+        """:meth:`begin_stop`, then wait until every request has ended and the thread is done."""
+        self.begin_stop()
         if self._thread.is_alive():
             self._thread.join()
 
