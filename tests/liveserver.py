@@ -7,12 +7,9 @@ Servers run uvicorn in a thread on a free port and are stopped (gracefully) at t
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from types import SimpleNamespace
 
-import uvicorn
 from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -21,7 +18,7 @@ from verispec.config import SpeculativeConfig
 from verispec.engine.engine import Engine
 from verispec.models.tokenizer import Tokenizer
 from verispec.server.app import build_app
-from verispec.server.serve import GracefulServer
+from verispec.server.serve import BackgroundServer
 from verispec.spec.draft_model import DraftModelDrafter
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -58,36 +55,7 @@ def tiny_target_and_draft():
             SimpleNamespace(model=draft, tokenizer=tokenizer, name="tiny-draft"))
 
 
-class LiveServer:
-    """uvicorn in a thread, bound to a free port on 127.0.0.1."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10)
-        self.server = GracefulServer(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.sock.close()
-
+class LiveServer(BackgroundServer):
     @property
     def runner(self):
         return self.app.state.runner

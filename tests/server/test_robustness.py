@@ -71,12 +71,13 @@ def test_concurrent_speculative_greedy_equals_each_request_alone_plain(server):
              for p, n in zip(prompts, sizes)]
 
     async def together():
-        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
         spec = [{"num_speculative_tokens": K}, {}]  # pinned k, and the batch-aware default
-        return await asyncio.gather(*(
-            aclient.completions.create(model="tiny", prompt=p, max_tokens=n, **GREEDY,
-                                       extra_body={"speculative": spec[i % 2]})
-            for i, (p, n) in enumerate(zip(prompts, sizes))))
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                                      timeout=120) as aclient:
+            return await asyncio.gather(*(
+                aclient.completions.create(model="tiny", prompt=p, max_tokens=n, **GREEDY,
+                                           extra_body={"speculative": spec[i % 2]})
+                for i, (p, n) in enumerate(zip(prompts, sizes))))
 
     results = asyncio.run(together())
     assert [r.choices[0].text for r in results] == alone
@@ -118,9 +119,10 @@ def test_soak_with_random_cancellations_ends_clean(server):
             outcomes.append("completed")
 
     async def soak():
-        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
         gate = asyncio.Semaphore(8)
-        await asyncio.gather(*(one(aclient, i, gate) for i in range(200)))
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                                      timeout=120) as aclient:
+            await asyncio.gather(*(one(aclient, i, gate) for i in range(200)))
 
     asyncio.run(soak())
     assert len(outcomes) == 200 and outcomes.count("cancelled") > 20

@@ -10,6 +10,10 @@ finish, and the app's lifespan then joins the engine thread.
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import uvicorn
 
 from verispec.config import SpeculativeConfig
@@ -23,6 +27,38 @@ class GracefulServer(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         self.config.app.state.runner.begin_stop()
         await super().shutdown(sockets=sockets)
+
+
+class BackgroundServer:
+    """An app served by uvicorn in a background thread on a free port of 127.0.0.1 (for tests
+    and benchmarks). Use as a context manager; leaving it shuts the server down gracefully."""
+
+    def __init__(self, app, log_level: str = "warning") -> None:
+        self.app = app
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        self.server = GracefulServer(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+        self.sock.close()
 
 
 def serve(model: str, spec: SpeculativeConfig | None, *, host: str, port: int, api_key: str | None,
