@@ -2,6 +2,7 @@
 
     verispec generate MODEL "prompt" [sampling flags] [speculative flags] [--stats]
     verispec plan --acceptance P --alpha A [--draft-cost C] [--measure MODEL [--draft MODEL]]
+    verispec serve MODEL [speculative flags] [--host H] [--port P] [--api-key KEY] ...
     verispec models list | fetch NAME
     verispec bench --model MODEL --methods plain,ngram,... [--questions spec-bench|code-edit|FILE]
 
@@ -58,15 +59,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="torch.compile the target's decode/verify steps (default off: on CPUs "
                    "without native bf16 it is slower and each shape bucket compiles for tens of seconds)")
     g.add_argument("--max-model-len", type=int, default=4096, help="KV cache length in tokens (default 4096)")
-    spec = g.add_argument_group("speculative decoding (vLLM-compatible)")
-    spec.add_argument("--speculative-config", default=None, metavar="JSON",
-                      help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
-    spec.add_argument("--speculative-model", default=None, help="draft model (implies method draft_model)")
-    spec.add_argument("--num-speculative-tokens", type=int, default=None, help="k, drafts per round")
-    spec.add_argument("--speculative-method", default=None, help="draft_model or ngram")
-    spec.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
-                      help="choose k each round from measured costs, up to --num-speculative-tokens "
-                      "(default on); --no-adaptive drafts exactly that many every round")
+    _add_speculative_flags(g)
     g.add_argument("--stats", action="store_true", help="print acceptance statistics and timings (stderr)")
     g.add_argument("--compare-plain", action="store_true",
                    help="also run plain decoding on the same prompt and report the speedup and "
@@ -233,6 +226,58 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_speculative_flags(parser: argparse.ArgumentParser) -> None:
+    spec = parser.add_argument_group("speculative decoding (vLLM-compatible)")
+    spec.add_argument("--speculative-config", default=None, metavar="JSON",
+                      help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
+    spec.add_argument("--speculative-model", default=None, help="draft model (implies method draft_model)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=None, help="k, drafts per round")
+    spec.add_argument("--speculative-method", default=None, help="draft_model, ngram, suffix or lookahead")
+    spec.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                      help="choose k each round from measured costs, up to --num-speculative-tokens "
+                      "(default on); --no-adaptive drafts exactly that many every round")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API with continuous batching",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.",
+    )
+    s.add_argument("model", help="bundled model name, HF model directory or .gguf file")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, local only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--served-model-name", default=None, help="model id clients use (default: MODEL)")
+    s.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (default 8)")
+    s.add_argument("--max-model-len", type=int, default=4096, help="prompt + output tokens per sequence")
+    s.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    s.add_argument("--dtype", default="auto", help="auto, bfloat16, float32 or float16 (default auto)")
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _add_speculative_flags(s)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from verispec.server.serve import serve
+    from verispec.spec.base import check_method
+
+    spec = speculative_config_from_args(args)
+    if spec is not None:
+        check_method(spec.method)
+    for name in ("max_num_seqs", "max_model_len", "max_queue"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    serve(args.model, spec, host=args.host, port=args.port, api_key=args.api_key,
+          served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
+          max_model_len=args.max_model_len, max_queue=args.max_queue, device=args.device, dtype=args.dtype)
+    return 0
+
+
 def _add_models(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser("models", help="list or fetch the bundled models")
     msub = m.add_subparsers(dest="models_cmd", required=True)
@@ -260,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_plan(sub)
+    _add_serve(sub)
     _add_models(sub)
     bench_cli.add_parser(sub)
     return parser
@@ -268,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"generate": cmd_generate, "plan": cmd_plan, "models": cmd_models, "bench": bench_cli.cmd_bench}
+    handlers = {"generate": cmd_generate, "serve": cmd_serve, "plan": cmd_plan, "models": cmd_models,
+                "bench": bench_cli.cmd_bench}
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

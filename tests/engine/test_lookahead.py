@@ -19,7 +19,7 @@ LONG_PROMPT = [(5 * i * i + 3) % 48 for i in range(70)] + PROMPT
 
 
 def lookahead_engine(model, k: int, window: int, ngram: int, guess: int = 4, max_model_len: int = 512) -> Engine:
-    config = SpeculativeConfig(method="lookahead", num_speculative_tokens=k, lookahead_window_size=window,
+    config = SpeculativeConfig(method="lookahead", num_speculative_tokens=k, adaptive=False, lookahead_window_size=window,
                                lookahead_ngram_size=ngram, lookahead_guess_set_size=guess)
     return Engine(loaded(model), config, max_model_len=max_model_len)
 
@@ -57,7 +57,7 @@ def test_sampled_distribution_matches_plain():
 
 @pytest.mark.slow
 def test_qwen_coder_1_5b_lookahead_identical(qwen_target, qwen_plain):
-    config = SpeculativeConfig(method="lookahead", num_speculative_tokens=2, lookahead_window_size=2,
+    config = SpeculativeConfig(method="lookahead", num_speculative_tokens=2, adaptive=False, lookahead_window_size=2,
                                lookahead_ngram_size=3)
     engine = Engine(qwen_target, config, max_model_len=MAX_MODEL_LEN)
     for text in PROMPTS:

@@ -18,7 +18,7 @@ LONG_PROMPT = [(5 * i * i + 3) % 48 for i in range(70)] + PROMPT
 
 
 def suffix_engine(model, k: int, max_model_len: int = 512, **options) -> Engine:
-    config = SpeculativeConfig(method="suffix", num_speculative_tokens=k, **options)
+    config = SpeculativeConfig(method="suffix", num_speculative_tokens=k, adaptive=False, **options)
     return Engine(loaded(model), config, max_model_len=max_model_len)
 
 
@@ -78,7 +78,7 @@ def test_sampled_distribution_matches_plain(dist_target):
 
 @pytest.mark.slow
 def test_qwen_coder_1_5b_suffix_identical(qwen_target, qwen_plain):
-    engine = Engine(qwen_target, SpeculativeConfig(method="suffix", num_speculative_tokens=8),
+    engine = Engine(qwen_target, SpeculativeConfig(method="suffix", num_speculative_tokens=8, adaptive=False),
                     max_model_len=MAX_MODEL_LEN)
     for text in PROMPTS:
         spec = engine.generate(prompt_ids(qwen_target, text), GREEDY)

@@ -1,5 +1,11 @@
 """The generation loop: prefill, then rounds of propose → verify → accept → commit.
 
+The engine runs a batch of sequences, each in its own slot of one preallocated KV cache
+(``max_num_seqs`` slots, never reallocated). A request joins with :meth:`Engine.add_request`
+(which prefills it), every :meth:`Engine.step` advances all running sequences by one round, and a
+finished (or aborted) sequence frees its slot for the next request. :meth:`Engine.generate` is
+the batch-of-one case.
+
 The engine works on token ids; text appears only where stop strings need it (through the
 sequence's detokenizer). Plain decoding is the same loop with no drafter: every round proposes
 nothing and the target's single-position pass yields exactly one token, so plain and speculative
@@ -15,10 +21,27 @@ the last, ``t``)::
     accept   commit d_1..d_a, x, stopping early on EOS / stop string / max_tokens
     commit   roll the target cache back to L + 1 + a; tell the drafter and the controller
 
-A tree proposal (``proposal.parents`` set) is verified the same way in one pass: the root t and
-the n tree nodes go to cache indices L..L+n with a tree attention mask and RoPE positions
-L + depth; verification walks the tree, and commit keeps the accepted path's K/V with one
-compaction (:meth:`KVCache.keep`).
+Chains of every sequence in the batch are verified in ONE target forward: rows are padded to the
+longest, ``T = 1 + max n``. Row b writes its T tokens at its own cache indices ``L_b .. L_b + T``
+and its positions are ``L_b + [0, T)``, so the decoder's causal mask (key index <= query index,
+per row) is exactly the mask each row needs: a real token never sees the padding after it, and a
+row never sees another row's slot. Padding K/V is discarded by the commit's rollback. Each row is
+verified on its own with its own generator, so a sequence's output does not depend on its
+neighbours as long as the decoder rows are batch invariant. The cache keeps ``k`` positions of
+headroom past ``max_model_len`` so padding always fits.
+
+A tree proposal (``proposal.parents`` set) and a chain that carries an aux branch (lookahead)
+need their own attention mask, so each gets its own forward in the same step: the root t and the
+n tree nodes go to cache indices L..L+n with a tree attention mask and RoPE positions L + depth;
+verification walks the tree, and commit keeps the accepted path's K/V with one compaction
+(:meth:`KVCache.keep`).
+
+k per sequence: the batch-aware rule of :mod:`verispec.engine.batch_k` caps it as the batch
+grows, a request's own ``num_speculative_tokens`` caps it further, and the controller
+(:mod:`verispec.spec.controller`) picks a k up to that cap from measured costs and the request's
+acceptance. A seeded sampled request skips both and drafts the full cap, so that its seed
+reproduces its output (its random draws depend on how many drafts each round verifies; greedy
+output does not depend on k at all).
 """
 
 from __future__ import annotations
@@ -32,6 +55,7 @@ import torch
 
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.detokenize import IncrementalDetokenizer
+from verispec.engine.batch_k import StepCosts, choose_k
 from verispec.engine.sequence import Sequence
 from verispec.sampling import logits_to_probs, make_generator
 from verispec.spec.base import (
@@ -56,14 +80,15 @@ class Verified:
 
 
 class Engine:
-    """Single-sequence generation with an optional drafter.
+    """Batched generation with an optional drafter.
 
     Args:
         target: the loaded target model.
         speculative: which drafter to use; ``None`` for plain decoding.
-        max_model_len: prompt + output positions the KV cache holds.
+        max_model_len: prompt + output positions one sequence may hold.
         drafter: an already built drafter, instead of building one from ``speculative``
             (which then only supplies ``num_speculative_tokens`` and ``adaptive``).
+        max_num_seqs: sequences that can run at once (cache slots).
         controller: chooses k each round (at most ``num_speculative_tokens``); by default the
             one ``speculative.adaptive`` asks for.
     """
@@ -75,18 +100,25 @@ class Engine:
         *,
         max_model_len: int = 4096,
         drafter: Drafter | None = None,
+        max_num_seqs: int = 1,
         controller: Controller | None = None,
     ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.target = target
         self.model = target.model
         self.max_model_len = min(max_model_len, self.model.config.max_position_embeddings)
-        self.cache = self.model.new_cache(self.max_model_len)
         self.k = speculative.num_speculative_tokens if speculative else 0
+        # k positions of headroom: a verify pass pads every row to the longest proposal.
+        self.cache = self.model.new_cache(self.max_model_len + self.k, num_slots=max_num_seqs)
         if drafter is None and speculative is not None:
-            drafter = build_drafter(speculative, DrafterContext(target, self.max_model_len))
+            drafter = build_drafter(speculative, DrafterContext(target, self.max_model_len, max_num_seqs))
         self.drafter = drafter
         self.controller = controller or build_controller(speculative)
-        self.metrics = SpecMetrics()  # aggregated over all requests
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
+        self.running: list[Sequence] = []
+        self.costs = StepCosts()  # measured costs that batch-aware k is chosen from
+        self.metrics = SpecMetrics()  # aggregated over finished requests
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -97,40 +129,73 @@ class Engine:
         on_text: Callable[[str], None] | None = None,
     ) -> Sequence:
         """Generate a completion for ``prompt_ids``; ``on_text`` receives text as it streams."""
-        seq = self._prefill(prompt_ids, params)
+        seq = self.add_request(prompt_ids, params)
         emit = on_text or (lambda _text: None)
         emit(seq.text)
         while not seq.finished:
-            emit(self.step(seq))
-        if self.drafter is not None:
-            self.drafter.finish(seq)
-        self.metrics.merge(seq.metrics)
+            emit(self.step().get(seq, ""))
         return seq
 
-    def step(self, seq: Sequence) -> str:
-        """One round: propose → verify → accept → commit. Returns the new text."""
-        if self.cache.length(seq.slot) + 1 > self.max_model_len:
-            seq.finish_reason = "length"  # the context is full, as in vLLM
-            return ""
-        t0 = time.perf_counter()
-        proposal = self._propose(seq)
-        t1 = time.perf_counter()
-        verified = self._verify(seq, proposal)
-        t2 = time.perf_counter()
-        outcome, text = self._accept(seq, proposal, verified)
-        self._commit(seq, verified, outcome)
-        t3 = time.perf_counter()
-        m = seq.metrics
-        m.draft_time_s += t1 - t0
-        m.verify_time_s += t2 - t1
-        m.other_time_s += t3 - t2
-        report = RoundReport(outcome.num_proposed, outcome.num_accepted, len(outcome.committed), t1 - t0, t2 - t1)
-        self.controller.observe(seq, report)
-        return text
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, num_speculative_tokens: int | None = None
+    ) -> Sequence:
+        """Prefill a new sequence into a free slot; it runs from the next :meth:`step` on.
+
+        ``num_speculative_tokens`` pins this request's drafts per round (at most the engine's k;
+        0 disables speculation for it); ``None`` lets the engine choose (batch-aware k). Raises
+        ``RuntimeError`` when every slot is taken.
+        """
+        if not self.free_slots:
+            raise RuntimeError(f"all {self.cache.num_slots} sequence slots are in use")
+        seq = self._prefill(prompt_ids, params, self.free_slots[-1], num_speculative_tokens)
+        self.free_slots.pop()
+        self.running.append(seq)
+        if seq.finished:
+            self._release(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a running sequence now and free its slot (a client went away)."""
+        if seq in self.running:
+            seq.finish_reason = "abort"
+            self._release(seq)
+
+    def step(self) -> dict[Sequence, str]:
+        """One round for every running sequence: propose → verify → accept → commit.
+
+        Returns the new text of each sequence that took part. Sequences that finish leave the
+        batch and free their slot.
+        """
+        for seq in self.running:
+            if self.cache.length(seq.slot) + 1 > self.max_model_len:
+                seq.finish_reason = "length"  # the context is full, as in vLLM
+        batch = [seq for seq in self.running if not seq.finished]
+        texts: dict[Sequence, str] = {}
+        if batch:
+            k = choose_k(self.k, len(batch), self.costs)
+            proposals, draft_s = [], []
+            for seq in batch:
+                t0 = time.perf_counter()
+                proposals.append(self._propose(seq, self._k_for(seq, k)))
+                draft_s.append(time.perf_counter() - t0)
+                seq.metrics.draft_time_s += draft_s[-1]
+            verified, verify_s = self._verify(batch, proposals)
+            for seq, proposal, v, ds, vs in zip(batch, proposals, verified, draft_s, verify_s):
+                t0 = time.perf_counter()
+                outcome, texts[seq] = self._accept(seq, proposal, v)
+                self._commit(seq, v, outcome)
+                seq.metrics.other_time_s += time.perf_counter() - t0
+                report = RoundReport(outcome.num_proposed, outcome.num_accepted, len(outcome.committed), ds, vs)
+                self.controller.observe(seq, report)
+        for seq in [s for s in self.running if s.finished]:
+            self._release(seq)
+        return texts
 
     # ---- phases ------------------------------------------------------------------------------
 
-    def _prefill(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def _prefill(
+        self, prompt_ids: list[int], params: SamplingParams, slot: int, num_speculative_tokens: int | None
+    ) -> Sequence:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         if len(prompt_ids) >= self.max_model_len:
@@ -144,6 +209,8 @@ class Engine:
             generator=make_generator(params.seed, self.model.device),
             eos_token_ids=tok.eos_token_ids,
             detokenizer=IncrementalDetokenizer(tok.hf, prompt_ids),
+            slot=slot,
+            num_speculative_tokens=num_speculative_tokens,
         )
         t0 = time.perf_counter()
         self.cache.reset(seq.slot)
@@ -157,36 +224,86 @@ class Engine:
         seq.metrics.prefill_time_s += time.perf_counter() - t0
         return seq
 
-    def _propose(self, seq: Sequence) -> Proposal:
+    def _propose(self, seq: Sequence, k_max: int) -> Proposal:
         # Never draft past max_tokens or past the cache: the verify pass writes n + 1 positions.
         room = min(
-            self.k,
+            k_max,
             seq.params.max_tokens - len(seq.output_ids) - 1,
             self.max_model_len - self.cache.length(seq.slot) - 1,
         )
         if self.drafter is None or room <= 0:
             return EMPTY_PROPOSAL
-        k = self.controller.choose_k(seq, room)
+        k = room if _fixed_k(seq) else self.controller.choose_k(seq, room)
         if not 0 <= k <= room:
             raise RuntimeError(f"the controller chose k={k}, outside 0..{room}")
         if k == 0:
             return EMPTY_PROPOSAL
+        t0 = time.perf_counter()
         proposal = self.drafter.propose(seq, k)
+        self.costs.record_proposal(len(proposal), time.perf_counter() - t0)
         if _depth(proposal) > k:
             raise RuntimeError(f"drafter proposed a depth of {_depth(proposal)}, more than the {k} asked for")
         return proposal
 
-    def _verify(self, seq: Sequence, proposal: Proposal) -> Verified:
-        if proposal.parents is not None:
-            if proposal.aux is not None:
-                raise NotImplementedError("a proposal cannot be a tree and carry an aux branch yet")
-            return self._verify_tree(seq, proposal)
+    def _k_for(self, seq: Sequence, batch_k: int) -> int:
+        """The most drafts this sequence may propose: its request's own k if it set one, else
+        the k chosen for the batch (a seeded sampled request keeps the full k, see the module
+        doc)."""
+        if seq.num_speculative_tokens is not None:
+            return min(seq.num_speculative_tokens, self.k)
+        if _fixed_k(seq):
+            return self.k
+        return batch_k
+
+    def _verify(self, batch: list[Sequence], proposals: list[Proposal]) -> tuple[list[Verified], list[float]]:
+        """Verify every proposal: chains in ONE target forward (rows padded to T), trees and
+        aux-carrying chains in a forward each. Returns the results and each one's verify time."""
+        chains = [i for i, p in enumerate(proposals) if p.parents is None and p.aux is None]
+        verified: list[Verified | None] = [None] * len(batch)
+        seconds = [0.0] * len(batch)
+        if chains:
+            t0 = time.perf_counter()
+            results = self._verify_chains([batch[i] for i in chains], [proposals[i] for i in chains])
+            elapsed = time.perf_counter() - t0
+            for i, v in zip(chains, results):
+                verified[i], seconds[i] = v, elapsed
+        for i, (seq, proposal) in enumerate(zip(batch, proposals)):
+            if verified[i] is None:
+                t0 = time.perf_counter()
+                single = self._verify_tree if proposal.parents is not None else self._verify_aux
+                verified[i], seconds[i] = single(seq, proposal), time.perf_counter() - t0
+        for i, (seq, s) in enumerate(zip(batch, seconds)):
+            seq.metrics.verify_time_s += s / len(chains) if i in chains else s  # a shared pass is split
+        return verified, seconds
+
+    def _verify_chains(self, batch: list[Sequence], proposals: list[Proposal]) -> list[Verified]:
+        """ONE target forward over every sequence's last token and drafts, rows padded to T."""
+        starts = [self.cache.length(seq.slot) for seq in batch]
+        width = 1 + max(len(p) for p in proposals)  # T
+        # Padding repeats the row's last token; the causal mask hides it from the real tokens.
+        rows = [[seq.output_ids[-1], *p.tokens] + [seq.output_ids[-1]] * (width - 1 - len(p))
+                for seq, p in zip(batch, proposals)]
+        device = self.model.device
+        ids = torch.tensor(rows, device=device)  # [B, T]
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)  # [B, T]
+        t0 = time.perf_counter()
+        logits = self.model(ids, positions, self.cache, slots=[seq.slot for seq in batch])  # [B, T, V]
+        elapsed = time.perf_counter() - t0
+        self.costs.record_forward(len(batch) * width, elapsed)
+        verified = []
+        for b, (seq, proposal) in enumerate(zip(batch, proposals)):
+            if len(batch) == 1:
+                seq.metrics.record_target(width, elapsed)  # single-sequence cost model (c, alpha)
+            row_logits = logits[b : b + 1, : len(proposal) + 1]  # [1, n+1, V]
+            verified.append(Verified(self._verify_logits(seq, proposal, row_logits), starts[b]))
+        return verified
+
+    def _verify_aux(self, seq: Sequence, proposal: Proposal) -> Verified:
+        """A chain plus the drafter's aux branch (lookahead) in one forward with its own mask."""
         start = self.cache.length(seq.slot)
-        if start + len(proposal) + 1 > self.max_model_len:
-            raise ValueError(f"the sequence reached max_model_len={self.max_model_len}")
         segment = [seq.output_ids[-1], *proposal.tokens]  # t, d_1..d_n
         aux = proposal.aux
-        if aux is not None and start + len(segment) + len(aux.tokens) > self.max_model_len:
+        if start + len(segment) + len(aux.tokens) > self.max_model_len:
             aux = None  # the branch only helps drafting: skip it when the cache is nearly full
         tokens, offsets = segment, list(range(len(segment)))
         mask = None
@@ -269,9 +386,23 @@ class Engine:
         else:
             keep = [0, *verified.path][: len(outcome.committed)]
             self.cache.keep(seq.slot, verified.cache_start, keep)
+        self.costs.record_acceptance(outcome.num_accepted)
         if self.drafter is not None and not seq.finished:
             self.drafter.feedback(seq, outcome)
 
+
+    def _release(self, seq: Sequence) -> None:
+        """A finished sequence leaves the batch: drop drafter state, free its slot."""
+        self.running.remove(seq)
+        if self.drafter is not None:
+            self.drafter.finish(seq)
+        self.cache.reset(seq.slot)
+        self.free_slots.append(seq.slot)
+        self.metrics.merge(seq.metrics)
+
+def _fixed_k(seq: Sequence) -> bool:
+    """A seeded sampled request drafts a fixed k, so that its seed reproduces its output."""
+    return seq.params.seed is not None and not seq.params.greedy
 
 def _depth(proposal: Proposal) -> int:
     """Tokens the proposal can commit before the bonus: its length, or a tree's depth."""

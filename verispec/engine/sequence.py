@@ -24,9 +24,10 @@ class Sequence:
     eos_token_ids: frozenset[int]
     detokenizer: IncrementalDetokenizer | None
     slot: int = 0
+    num_speculative_tokens: int | None = None  # this request's cap on drafts per round
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length"
+    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" | "abort"
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     stop_checker: StopChecker = field(init=False)
 

@@ -108,10 +108,15 @@ class Drafter(Protocol):
 
 @dataclass(frozen=True)
 class DrafterContext:
-    """What a drafter factory may use: the target (for its tokenizer, vocabulary and device)."""
+    """What a drafter factory may use: the target (for its tokenizer, vocabulary and device).
+
+    ``max_num_seqs`` is the number of sequence slots: a drafter keeps per-sequence state keyed
+    by ``seq.slot``, which is in ``0 .. max_num_seqs - 1``.
+    """
 
     target: LoadedModel
     max_model_len: int
+    max_num_seqs: int = 1
 
 
 DrafterFactory = Callable[["SpeculativeConfig", DrafterContext], Drafter]

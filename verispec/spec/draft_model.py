@@ -44,10 +44,10 @@ def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 class DraftModelDrafter:
-    def __init__(self, draft: LoadedModel, target_vocab: int, max_model_len: int) -> None:
+    def __init__(self, draft: LoadedModel, target_vocab: int, max_model_len: int, num_slots: int = 1) -> None:
         self.model = draft.model
         self.target_vocab = target_vocab
-        self.cache = self.model.new_cache(max_model_len)
+        self.cache = self.model.new_cache(max_model_len, num_slots=num_slots)
         self._round_start: dict[int, tuple[int, int]] = {}  # slot -> (L0, k) of the last proposal
 
     def start(self, seq: Sequence) -> None:
@@ -126,6 +126,6 @@ def make_draft_model_drafter(config: SpeculativeConfig, context: DrafterContext)
         return TreeDraftModelDrafter(
             draft, vocab, context.max_model_len, topk=config.speculative_eagle_topk, budget=config.tree_budget,
             children=config.tree_children, choices=config.speculative_token_tree,
-            depth=config.num_speculative_tokens,
+            depth=config.num_speculative_tokens, num_slots=context.max_num_seqs,
         )
-    return DraftModelDrafter(draft, vocab, context.max_model_len)
+    return DraftModelDrafter(draft, vocab, context.max_model_len, context.max_num_seqs)

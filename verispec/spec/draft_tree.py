@@ -67,8 +67,8 @@ class _Node:
 class TreeDraftModelDrafter(DraftModelDrafter):
     def __init__(self, draft, target_vocab: int, max_model_len: int, *, topk: int, budget: int,
                  children: str = "topk", choices: tuple[tuple[int, ...], ...] | None = None,
-                 depth: int = 4) -> None:
-        super().__init__(draft, target_vocab, max_model_len)
+                 depth: int = 4, num_slots: int = 1) -> None:
+        super().__init__(draft, target_vocab, max_model_len, num_slots)
         if children != "topk" and choices is None:
             choices = tuple(default_choices(depth, topk, budget))
         self.topk, self.budget, self.children = topk, budget, children

@@ -1,0 +1,184 @@
+"""The OpenAI API as the official ``openai`` client sees it, against a live server."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import openai
+import pytest
+
+from liveserver import API_KEY, K, MAX_MODEL_LEN
+
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def raw(server, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
+    """(status, headers, parsed JSON or text) of one plain HTTP request."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    hdrs = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json", **(headers or {})}
+    conn.request(method, path, body=body, headers=hdrs)
+    resp = conn.getresponse()
+    data = resp.read().decode()
+    conn.close()
+    try:
+        return resp.status, dict(resp.getheaders()), json.loads(data)
+    except json.JSONDecodeError:
+        return resp.status, dict(resp.getheaders()), data
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+
+
+def test_chat_completion_has_usage_and_speculative_stats(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello there"}],
+                                       max_tokens=10, **GREEDY)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens >= 1 and r.usage.prompt_tokens > 3
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    stats = r.model_extra["speculative_stats"]
+    assert stats["drafted"] >= stats["accepted"] >= 0 and stats["rounds"] >= 1
+    assert 1.0 <= stats["mean_acceptance_length"] <= K + 1
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_streaming_gives_the_same_text_as_one_response(client, kind):
+    if kind == "chat":
+        args = dict(model="tiny", messages=[{"role": "user", "content": "stream me"}], max_tokens=12, **GREEDY)
+        whole = client.chat.completions.create(**args).choices[0].message.content
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        args = dict(model="tiny", prompt="stream me", max_tokens=12, **GREEDY)
+        whole = client.completions.create(**args).choices[0].text
+        chunks = list(client.completions.create(stream=True, **args))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole and len(chunks) >= 2
+    last = chunks[-1]
+    assert last.choices[0].finish_reason in ("stop", "length")
+    assert last.usage.completion_tokens >= 1
+    assert "drafted" in last.model_extra["speculative_stats"]
+
+
+def test_sse_stream_ends_with_done(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = json.dumps({"prompt": "abc", "max_tokens": 4, "stream": True, **GREEDY})
+    conn.request("POST", "/v1/completions", body=body,
+                 headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+    events = [line for line in resp.read().decode().split("\n\n") if line]
+    conn.close()
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["usage"]["completion_tokens"] >= 1
+
+
+def test_stop_string_cuts_the_text_before_it(client):
+    args = dict(model="tiny", prompt="the stop test", max_tokens=24, **GREEDY)
+    free = client.completions.create(**args).choices[0].text
+    assert len(free) >= 12, free
+    stop = free[8:10]
+    cut = free[: free.index(stop)]
+    r = client.completions.create(stop=[stop, "never-there"], **args)
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=stop, stream=True, **args))
+    assert streamed == cut
+
+
+def test_seed_reproduces_a_sampled_completion(client):
+    args = dict(model="tiny", prompt="sample this", max_tokens=8, temperature=1.0)
+    a = client.completions.create(seed=7, **args).choices[0].text
+    b = client.completions.create(seed=7, **args).choices[0].text
+    others = {client.completions.create(seed=s, **args).choices[0].text for s in (8, 9)}
+    assert a == b
+    assert others != {a}  # seeds matter
+
+
+def test_per_request_speculative_extra(client):
+    args = dict(model="tiny", prompt="extra", max_tokens=12, **GREEDY)
+    on = client.completions.create(extra_body={"speculative": {"num_speculative_tokens": K}}, **args)
+    off = client.completions.create(extra_body={"speculative": {"enabled": False}}, **args)
+    one = client.completions.create(extra_body={"speculative": {"num_speculative_tokens": 1}}, **args)
+    assert on.choices[0].text == off.choices[0].text == one.choices[0].text
+    assert on.model_extra["speculative_stats"]["drafted"] > 0
+    assert off.model_extra["speculative_stats"]["drafted"] == 0
+    s1 = one.model_extra["speculative_stats"]
+    assert 0 < s1["drafted"] <= s1["rounds"]
+    with pytest.raises(openai.BadRequestError, match="num_speculative_tokens"):
+        client.completions.create(extra_body={"speculative": {"num_speculative_tokens": K + 1}}, **args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n": 2}, "n=2 is not supported"),
+        ({"logprobs": 2}, "logprobs are not supported"),
+        ({"max_tokens": MAX_MODEL_LEN}, "maximum context length"),
+        ({"prompt": "x" * MAX_MODEL_LEN}, "maximum context length"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"extra_body": {"speculative": {"enabled": "maybe"}}}, "speculative.enabled"),
+        ({"extra_body": {"bogus_field": 1}}, "bogus_field"),
+        ({"prompt": ""}, "prompt is empty"),
+    ],
+)
+def test_bad_input_is_a_400_with_an_openai_error_body(client, kwargs, message):
+    args = {"model": "tiny", "prompt": "hi", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**args)
+    err = info.value.body
+    assert info.value.status_code == 400 and message in err["message"], err
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'{"prompt": 5}', b"", b'{"prompt": "\xe9"}',
+                                  b'{"prompt": "a", "max_tokens": -1}', b'{"prompt": [1, "a"]}'])
+def test_malformed_bodies_are_400_never_500(server, body):
+    status, _, data = raw(server, "POST", "/v1/completions", body)
+    assert status == 400 and data["error"]["message"] and data["error"]["type"] == "invalid_request_error", data
+
+
+def test_chat_without_messages_is_400(server):
+    status, _, data = raw(server, "POST", "/v1/chat/completions", json.dumps({"messages": []}))
+    assert status == 400 and "messages" in data["error"]["message"]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-9", prompt="hi", max_tokens=2)
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key", API_KEY + "x"])
+def test_wrong_or_missing_api_key_is_401(server, key):
+    headers = {"Authorization": f"Bearer {key}"} if key else {"Authorization": ""}
+    status, _, data = raw(server, "GET", "/v1/models", headers=headers)
+    assert status == 401 and data["error"]["type"] == "authentication_error"
+
+
+def test_health_and_metrics_need_no_key(server, client):
+    client.completions.create(model="tiny", prompt="metrics", max_tokens=6, **GREEDY)
+    status, _, data = raw(server, "GET", "/health", headers={"Authorization": ""})
+    assert status == 200 and data == {"status": "ok"}
+    status, headers, text = raw(server, "GET", "/metrics", headers={"Authorization": ""})
+    assert status == 200
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "generation_tokens_total"):
+        assert values["verispec:" + name] > 0, name
+    per_pos = sum(v for n, v in values.items()
+                  if n.startswith("verispec:spec_decode_num_accepted_tokens_per_pos_total{"))
+    assert per_pos == values["verispec:spec_decode_num_accepted_tokens_total"]
+    assert values['verispec:time_to_first_token_seconds_count'] > 0
+    assert values['verispec:inter_token_latency_seconds_count'] > 0
+    assert "verispec:num_requests_waiting" in values and "verispec:num_requests_running" in values
+    assert any(n.startswith("verispec:request_success_total") for n in values)

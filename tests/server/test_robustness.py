@@ -1,0 +1,149 @@
+"""Robustness: a bounded queue, disconnects, concurrency, a soak, and graceful shutdown.
+
+Every test ends by checking that no request is left waiting or running and that every cache
+slot is free again (``wait_idle``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import random
+import threading
+
+import openai
+import pytest
+
+from liveserver import API_KEY, K, make_server, wait_idle
+from verispec.cli import build_parser
+from verispec.server.runner import Request, ShuttingDown
+
+GREEDY = {"temperature": 0.0}
+
+
+def open_stream(port: int, body: dict, key: str | None = API_KEY) -> http.client.HTTPResponse:
+    """Start a streaming completion and return the response without reading it."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}), headers=headers)
+    return conn.getresponse()
+
+
+def test_binds_localhost_by_default():
+    assert build_parser().parse_args(["serve", "m"]).host == "127.0.0.1"
+
+
+def test_full_queue_answers_429_with_retry_after():
+    with make_server(max_num_seqs=1, max_queue=1, api_key=None) as live:
+        long = {"prompt": "busy", "max_tokens": 80, **GREEDY}
+        running = open_stream(live.port, long, key=None)
+        running.readline()  # the first event: it holds the only slot
+        queued = open_stream(live.port, long, key=None)  # waits in the queue (bound 1)
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model="tiny", prompt="one too many", max_tokens=2)
+        assert info.value.status_code == 429
+        assert info.value.response.headers["retry-after"] == "1"
+        assert "queue is full" in info.value.body["message"]
+        running.close()  # both clients walk away: their requests are cancelled
+        queued.close()
+        wait_idle(live)
+
+
+def test_client_disconnect_cancels_and_frees_the_slot(server):
+    before = server.runner.metrics.aborted._value.get()
+    stream = open_stream(server.port, {"prompt": "leave early", "max_tokens": 80, **GREEDY})
+    assert stream.readline().startswith(b"data: ")
+    stream.close()
+    wait_idle(server)
+    assert server.runner.metrics.aborted._value.get() == before + 1
+
+
+def test_concurrent_speculative_greedy_equals_each_request_alone_plain(server):
+    """16 concurrent greedy requests with speculation on (4 slots, so they queue, join and leave)
+    give exactly the texts each gives alone with speculation off."""
+    prompts = [f"request {i}: " + "abcdefghij"[: i % 7] for i in range(16)]
+    sizes = [6 + (i % 5) for i in range(16)]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=n, **GREEDY,
+                                       extra_body={"speculative": {"enabled": False}}).choices[0].text
+             for p, n in zip(prompts, sizes)]
+
+    async def together():
+        spec = [{"num_speculative_tokens": K}, {}]  # pinned k, and the batch-aware default
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                                      timeout=120) as aclient:
+            return await asyncio.gather(*(
+                aclient.completions.create(model="tiny", prompt=p, max_tokens=n, **GREEDY,
+                                           extra_body={"speculative": spec[i % 2]})
+                for i, (p, n) in enumerate(zip(prompts, sizes))))
+
+    results = asyncio.run(together())
+    assert [r.choices[0].text for r in results] == alone
+    assert sum(r.model_extra["speculative_stats"]["drafted"] for r in results) > 0
+    assert len(set(alone)) > 8  # the prompts really differ
+    wait_idle(server)
+
+
+def test_soak_with_random_cancellations_ends_clean(server):
+    """200 requests, 8 at a time, a quarter cancelled at random points (in the queue, mid
+    stream, mid request): each completes or fails explicitly, no slot leaks, still healthy."""
+    rng = random.Random(0)
+    outcomes: list[str] = []
+
+    async def one(aclient, i: int, gate: asyncio.Semaphore) -> None:
+        async with gate:
+            max_tokens = rng.randint(1, 5)
+            args = dict(model="tiny", prompt=f"soak {i}", max_tokens=max_tokens, temperature=rng.choice([0.0, 1.0]))
+            cancel = rng.random() < 0.25
+            if rng.random() < 0.5:
+                stream = await aclient.completions.create(stream=True, **args)
+                chunks = 0
+                async for chunk in stream:
+                    chunks += 1
+                    if cancel:
+                        await stream.close()
+                        outcomes.append("cancelled")
+                        return
+                assert chunk.choices[0].finish_reason in ("stop", "length")
+                outcomes.append("completed")
+                return
+            try:
+                r = await asyncio.wait_for(aclient.completions.create(**args),
+                                           timeout=rng.uniform(0.01, 0.2) if cancel else 120)
+            except asyncio.TimeoutError:
+                outcomes.append("cancelled")
+                return
+            assert r.usage.completion_tokens <= max_tokens
+            outcomes.append("completed")
+
+    async def soak():
+        gate = asyncio.Semaphore(8)
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
+                                      timeout=120) as aclient:
+            await asyncio.gather(*(one(aclient, i, gate) for i in range(200)))
+
+    asyncio.run(soak())
+    assert len(outcomes) == 200 and outcomes.count("cancelled") > 20
+    wait_idle(server)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    assert client.completions.create(model="tiny", prompt="still alive", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_graceful_shutdown_ends_in_flight_requests_and_refuses_new_ones():
+    live = make_server(api_key=None, shutdown_grace_s=0.0).__enter__()
+    stream = open_stream(live.port, {"prompt": "shutdown", "max_tokens": 80, **GREEDY}, key=None)
+    assert stream.readline().startswith(b"data: ")
+    stopper = threading.Thread(target=live.stop)
+    stopper.start()
+    rest = stream.read().decode()  # no grace period: the request is aborted at once
+    stopper.join(timeout=30)
+    assert not stopper.is_alive() and not live.runner.alive
+    events = [e for e in rest.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert "the server shut down" in json.loads(events[-2][6:])["error"]["message"]
+    engine = live.runner.engine
+    assert not engine.running and sorted(engine.free_slots) == list(range(engine.cache.num_slots))
+    with pytest.raises(ShuttingDown):
+        live.runner.submit(Request([1, 2], None, None, lambda event: None))
