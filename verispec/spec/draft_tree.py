@@ -114,9 +114,9 @@ class TreeDraftModelDrafter(DraftModelDrafter):
                     if prob > 0:
                         nodes.append(_Node(tok, parent, nodes[parent].score + math.log(prob)))
                         new.append(len(nodes) - 1)
-            if d == depth or not new:
-                return
             frontier = sorted(new, key=lambda i: (-nodes[i].score, i))[: self.topk]
+            if d == depth or not self._room(seq.slot, len(frontier)):
+                return
             logits = self._feed(seq.slot, nodes, frontier)
 
     def _expand_static(self, seq: Sequence, nodes: list[_Node], root_logits: torch.Tensor, depth: int,
@@ -137,6 +137,8 @@ class TreeDraftModelDrafter(DraftModelDrafter):
                     static_to_node[c] = len(nodes) - 1
                     nxt.append(c)
             level = [s for s in nxt if any(c in allowed for c in tree.children[s])]
+            if not self._room(seq.slot, len(level)):  # near the end of the context: stop growing
+                return
             if level:
                 logits = self._feed(seq.slot, nodes, [static_to_node[s] for s in level])
 
@@ -153,6 +155,9 @@ class TreeDraftModelDrafter(DraftModelDrafter):
             order = torch.topk(keys, min(m, int((q > 0).sum()))).indices
         order = order.tolist()
         return [order[r] for r in ranks if r < len(order)]
+
+    def _room(self, slot: int, n: int) -> bool:
+        return self.cache.length(slot) + n <= self.cache.max_len
 
     def _feed(self, slot: int, nodes: list[_Node], feed: list[int]) -> torch.Tensor:
         """Run ``feed`` nodes through the draft with a tree mask; return their logits [F, V]."""
