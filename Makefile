@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring.
 
-.PHONY: setup demo test test-fast bench-decode bench-spec clean
+.PHONY: setup demo test test-long test-fast bench-decode bench-spec clean
 
 setup: $(VENV)/.installed
 
@@ -28,13 +28,18 @@ demo: setup
 		--speculative-model qwen2.5-coder-0.5b-instruct --num-speculative-tokens 4 \
 		--max-tokens 128 --threads 2 --compare-plain
 
-# Every test, real-model ones included (models are fetched on first use).
+# The suite, real-model tests included (models are fetched on first use); `make test-long` adds
+# further settings of checks it already makes.
 test: setup
 	$(PY) -m pytest -q
 
+# Further settings of checks the suite already makes (minutes each).
+test-long: setup
+	$(PY) -m pytest -q -m long
+
 # Unit tests only: tiny random models, no downloads.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not long"
 
 bench-decode: setup
 	$(PY) benchmarks/bench_decode.py

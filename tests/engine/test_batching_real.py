@@ -13,7 +13,7 @@ from realmodels import PROMPTS, prompt_ids
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24)
 

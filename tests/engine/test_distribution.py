@@ -31,7 +31,12 @@ def draft_model_engine(target, draft) -> Engine:
                   max_model_len=64, drafter=drafter)
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
+# temperature=1.0 and top_p=0.9 run in every suite; the other settings with `make test-long`.
+CHAIN_CASES = [name if name in ("temperature=1.0", "top_p=0.9") else pytest.param(name, marks=pytest.mark.long)
+               for name in SETTINGS]
+
+
+@pytest.mark.parametrize("name", CHAIN_CASES)
 def test_speculative_sampling_matches_plain_distribution(models, name):
     target, draft = models
     params = SETTINGS[name]

@@ -58,6 +58,7 @@ def test_quantized_draft_keeps_the_target_output(target, draft):
     assert spec.output_ids == plain.output_ids
 
 
+@pytest.mark.long
 def test_sampling_over_an_int4_target_matches_its_plain_distribution():
     target, draft = target_and_draft()
     quantize_(target, "int4")

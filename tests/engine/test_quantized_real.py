@@ -14,7 +14,7 @@ from verispec.spec.draft_model import DraftModelDrafter
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", pytest.param("int4", marks=pytest.mark.long)])
 def test_smollm2_quantized_target_speculation_identical(smollm, scheme):
     target = copy.copy(smollm)
     target.model = quantize_(copy.deepcopy(smollm.model), scheme)

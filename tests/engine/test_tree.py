@@ -98,7 +98,8 @@ def tree_counts(dist_models, drafter_kw, params):
     return eng, goodness_of_fit(counts, exact_joint(target, params))
 
 
-@pytest.mark.parametrize("name", list(DIST_CASES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.long) if n.startswith("dynamic") else n
+                                  for n in DIST_CASES])  # deterministic children: also in test_tree_verify
 def test_tree_sampling_matches_plain_distribution(dist_models, name):
     drafter_kw, setting = DIST_CASES[name]
     eng, (pvalue, tv) = tree_counts(dist_models, drafter_kw, SETTINGS[setting])

@@ -28,6 +28,7 @@ def compiled():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_rows_do_not_depend_on_the_bucket(compiled):
     layer, steps = compiled.layers[0], compiled.steps
     assert steps is not EAGER_STEPS
@@ -43,6 +44,7 @@ def test_rows_do_not_depend_on_the_bucket(compiled):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_greedy_speculation_matches_plain_decoding_of_the_compiled_model(compiled):
     prompt = [3, 7, 9, 3]  # 4 tokens: prefill, verify (k = 3) and decode use buckets 4 and 1 only
     params = SamplingParams(temperature=0.0, max_tokens=40)
