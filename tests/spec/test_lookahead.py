@@ -58,7 +58,7 @@ def test_aux_logits_equal_plain_forward_of_each_window_path() -> None:
     model = tiny_model(seed=3)
     prompt, rows = [4, 9, 2, 7], [[5, 6, 7], [8, 9, 10]]
     recorder = _Recorder(rows)
-    engine = Engine(loaded(model), SpeculativeConfig(method="given", num_speculative_tokens=2),
+    engine = Engine(loaded(model), SpeculativeConfig(method="given", num_speculative_tokens=2, adaptive=False),
                     max_model_len=64, drafter=recorder)
     seq = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3))
     aux = recorder.aux_logits[0]  # the first round: the cache holds the prompt, t = output 0
