@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_spec import first_divergence, run_one  # benchmarks/bench_spec.py
+from spec_runs import first_divergence, run_one  # benchmarks/spec_runs.py
 from common import log, machine_load  # benchmarks/common.py
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench_spec import DEFAULT_QUESTIONS, select_questions
+from spec_runs import DEFAULT_QUESTIONS, select_questions
 from common import log, machine_load
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_spec import DEFAULT_QUESTIONS, select_questions  # benchmarks/bench_spec.py
+from spec_runs import DEFAULT_QUESTIONS, select_questions  # benchmarks/spec_runs.py
 from common import log, machine_load  # benchmarks/common.py
 
 GOAL_LENGTH, GOAL_SPEED = 1.2, 1.1

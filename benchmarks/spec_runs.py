@@ -1,0 +1,69 @@
+"""Helpers the per-issue benchmark scripts share: Spec-Bench question selection and one timed run.
+
+``verispec bench`` is the general harness; these scripts (bench_adaptive, bench_suffix, bench_tree,
+bench_server) use these few pieces for their own side-by-side tables.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from verispec.bench.report import first_divergence
+
+__all__ = ["DEFAULT_QUESTIONS", "first_divergence", "run_one", "select_questions"]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared/data/spec_bench/question.jsonl"
+
+
+def select_questions(path: Path, n: int) -> list[dict]:
+    """First ceil(n/2) coding questions, then floor(n/2) alternating summarization / rag."""
+    by_cat: dict[str, list[dict]] = {}
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                q = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SystemExit(f"{path}:{lineno}: not valid JSON ({exc})") from None
+            if not q.get("turns"):
+                raise SystemExit(f"{path}:{lineno}: question has no turns")
+            by_cat.setdefault(q.get("category", ""), []).append(q)
+    n_coding, n_other = (n + 1) // 2, n // 2
+    coding = by_cat.get("coding", [])[:n_coding]
+    summ, rag = by_cat.get("summarization", []), by_cat.get("rag", [])
+    other: list[dict] = []
+    for i in range(n_other):
+        src = summ if i % 2 == 0 else rag
+        if i // 2 < len(src):
+            other.append(src[i // 2])
+    if len(coding) < n_coding or len(other) < n_other:
+        raise SystemExit(
+            f"{path} has too few questions for --num-questions {n}: need {n_coding} coding "
+            f"(found {len(by_cat.get('coding', []))}) and {n_other} summarization/rag "
+            f"(found {len(summ)} + {len(rag)})"
+        )
+    return coding + other
+
+
+def run_one(engine: Any, prompt_ids: list[int], max_tokens: int) -> dict:
+    from verispec.config import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    t0 = time.perf_counter()
+    seq = engine.generate(prompt_ids, params)
+    total = time.perf_counter() - t0
+    prefill = seq.metrics.prefill_time_s
+    return {
+        "output_ids": list(seq.output_ids),
+        "metrics": seq.metrics,
+        "total_s": total,
+        "prefill_s": prefill,
+        "decode_s": total - prefill,
+        "decode_tokens": max(len(seq.output_ids) - 1, 0),
+        "finish_reason": seq.finish_reason,
+    }
