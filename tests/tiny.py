@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -50,3 +52,16 @@ def loaded(model: Decoder, eos: int = -1, name: str = "tiny") -> SimpleNamespace
     tok = ToyTokenizer(model.config.vocab_size, eos)
     tokenizer = SimpleNamespace(hf=tok, eos_token_ids=frozenset([eos]) if eos >= 0 else frozenset())
     return SimpleNamespace(model=model, tokenizer=tokenizer, name=name)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with ``n`` torch CPU threads, then restore the previous count. Tiny models run fastest
+    on one thread, and far faster on a busy machine (two threads spinning against other
+    processes cost 40x here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

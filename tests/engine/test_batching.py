@@ -8,7 +8,6 @@ the others, slots are reused, and a seeded sampled sequence is reproducible insi
 from __future__ import annotations
 
 import pytest
-import torch
 
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.batch_k import StepCosts, choose_k
@@ -16,7 +15,7 @@ from verispec.engine.engine import Engine
 from verispec.spec.draft_model import DraftModelDrafter
 from verispec.spec.ngram import NgramDrafter
 
-from tiny import loaded
+from tiny import loaded, torch_threads
 
 MAX_LEN = 400
 # Different lengths; the last one crosses the 256-entry attention block, so rows of one batch
@@ -52,11 +51,8 @@ def run_batch(eng, prompts, params):
 
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
-    """Tiny models run fastest on one thread (and far faster on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from liveserver import make_server
+from tiny import torch_threads
 
 
 @pytest.fixture(scope="package", autouse=True)
 def one_torch_thread():
-    """Tiny models run fastest on one thread, and far faster on a busy machine (two threads
-    spinning against other processes cost 40x here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="package")
