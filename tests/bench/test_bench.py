@@ -85,7 +85,7 @@ def make_runner(out_root: Path):
     def run(out: Path, settings: Settings) -> dict:
         specs = bench_methods.parse_methods(METHODS)
         return run_and_report(loaded(target_model), ToyFormat(), specs, workload, settings, out,
-                              lambda name: loaded(draft_model, name=name), meta)
+                              lambda name, quantization: loaded(draft_model, name=name), meta)
 
     return run
 

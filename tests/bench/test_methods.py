@@ -137,3 +137,25 @@ def test_llamacpp_runner_stops_at_eos_or_max_tokens_and_samples_purely():
     assert ("seed", 7) in llm.calls
     kwargs = llm.calls[-1][2]
     assert (kwargs["temp"], kwargs["top_k"], kwargs["top_p"], kwargs["min_p"]) == (1.0, 0, 1.0, 0.0)
+
+
+def test_builder_makes_tree_drafters_and_loads_each_draft_once_per_quantization():
+    from tiny import loaded, tiny_model
+
+    from verispec.spec.draft_model import DraftModelDrafter
+    from verispec.spec.draft_tree import TreeDraftModelDrafter
+
+    target = loaded(tiny_model(48, seed=0))
+    calls = []
+
+    def load(name, quantization):
+        calls.append((name, quantization))
+        return loaded(tiny_model(48, seed=1), name=name)
+
+    builder = methods.Builder(target, 256, load)
+    specs = parse_methods("plain,draft_model:d@k=3,draft_model:d@k=3,draft_topk=2,num_draft_tokens=5,"
+                          "draft_model:d@k=2,quantization=int8")
+    drafters = [builder.build(s).engine.drafter for s in specs[1:]]
+    assert type(drafters[0]) is DraftModelDrafter
+    assert isinstance(drafters[1], TreeDraftModelDrafter)
+    assert calls == [("d", "none"), ("d", "int8")]

@@ -67,6 +67,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) CPU threads")
     b.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     b.add_argument("--dtype", default="auto", help="auto, bfloat16, float32 or float16 (default: auto)")
+    b.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                   help="pack the target's linear layers (CPU; default none); a draft model's is the "
+                   "method's quantization option, e.g. draft_model:M@quantization=int8")
+    b.add_argument("--quantization-group-size", type=int, default=32, choices=(32, 64, 128),
+                   help="int4 group size (default 32)")
     b.add_argument("--out", type=Path, default=Path("bench-report"), help="report directory (default: %(default)s)")
     b.add_argument("--no-warmup", action="store_true", help="skip the short untimed warm-up run of each method")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -104,13 +109,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     machine_load(args.threads)
     meta = {"command": shlex.join(["verispec", *sys.argv[1:]]), "machine": machine_info()}
     log(f"loading {args.model} ...")
-    target = load_model(args.model, device=args.device, dtype=args.dtype)
+    target = load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                        group_size=args.quantization_group_size)
     path = resolve_model(args.model, progress=False)
-    meta.update(model=args.model, dtype=str(target.model.dtype).removeprefix("torch."))
+    meta.update(model=args.model, dtype=str(target.model.dtype).removeprefix("torch."),
+                quantization=args.quantization)
 
-    def load(name: str) -> Any:
+    def load(name: str, quantization: str) -> Any:
         log(f"loading {name} ...")
-        return load_model(name, device=target.model.device, dtype=target.model.dtype)
+        return load_model(name, device=target.model.device, dtype=target.model.dtype, quantization=quantization,
+                          group_size=args.quantization_group_size)
 
     report = run_and_report(target, ChatFormat(target.tokenizer), specs, workload, settings, args.out, load,
                             meta, threads=args.threads, gguf=path if path.suffix.lower() == ".gguf" else None)
@@ -118,7 +126,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def run_and_report(target: Any, fmt: PromptFormat, specs: list[MethodSpec], workload: Workload,
-                   settings: Settings, out: Path, load: Callable[[str], Any], meta: dict,
+                   settings: Settings, out: Path, load: Callable[[str, str], Any], meta: dict,
                    threads: int | None = None, gguf: Path | None = None) -> dict:
     """Build every method on ``target``, run the workload, write and print the report."""
     from verispec.bench.methods import Builder

@@ -344,16 +344,16 @@ def load_hf_model(directory: Path, dtype: torch.dtype, device: torch.device) -> 
 class Builder:
     """Builds runners on one loaded target; shares loaded draft / transformers models between them.
 
-    ``load`` loads a verispec model by name (the CLI passes :func:`load_model` with the target's
-    device and dtype; tests pass preloaded tiny models).
+    ``load(name, quantization)`` loads a verispec model by name (the CLI passes :func:`load_model`
+    with the target's device and dtype; tests pass preloaded tiny models).
     """
 
     target: Any  # LoadedModel
     max_model_len: int
-    load: Callable[[str], Any]
+    load: Callable[[str, str], Any]
     threads: int | None = None
     gguf: Path | None = None  # the target's GGUF file, for llama.cpp
-    _drafts: dict[str, Any] = field(default_factory=dict, init=False)  # name -> verispec LoadedModel
+    _drafts: dict[tuple[str, str], Any] = field(default_factory=dict, init=False)  # (name, quantization) -> LoadedModel
     _hf: dict[str, Any] = field(default_factory=dict, init=False)  # name ("" = target) -> transformers model
 
     def build(self, spec: MethodSpec) -> Runner:
@@ -361,18 +361,18 @@ class Builder:
 
     def _verispec(self, spec: MethodSpec) -> Runner:
         from verispec.engine.engine import Engine
-        from verispec.spec.draft_model import DraftModelDrafter, check_vocab_compatible
+        from verispec.spec.base import DrafterContext
+        from verispec.spec.draft_model import draft_model_drafter
 
         config = speculative_config(spec)
         drafter = None
         if config is not None and config.method == "draft_model" and config.model:
-            # One loaded draft model serves every draft_model method (each gets its own cache).
-            if config.model not in self._drafts:
-                draft = self.load(config.model)
-                check_vocab_compatible(self.target, draft)
-                self._drafts[config.model] = draft
-            vocab = self.target.model.config.vocab_size
-            drafter = DraftModelDrafter(self._drafts[config.model], vocab, self.max_model_len)
+            # One loaded draft model (per quantization) serves every draft_model method; each
+            # method gets its own drafter, chain or tree, with its own cache.
+            key = (config.model, config.quantization)
+            if key not in self._drafts:
+                self._drafts[key] = self.load(config.model, config.quantization)
+            drafter = draft_model_drafter(self._drafts[key], config, DrafterContext(self.target, self.max_model_len))
         return EngineRunner(Engine(self.target, config, max_model_len=self.max_model_len, drafter=drafter))
 
     def _hf_model(self, name: str, directory: Path) -> Any:

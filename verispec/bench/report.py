@@ -208,7 +208,9 @@ def render_markdown(report: dict) -> str:
         f"torch {m['torch']}, transformers {m['transformers']}"
         + (f", GPU {m['cuda']}" if m.get("cuda") else "")
         + f"; load average {_f(m['loadavg_start'])} at start, {_f(m.get('loadavg_end'))} at end",
-        f"- model: {report['model']} ({report['dtype']}); T = {s['temperature']:g}; up to {s['max_tokens']} tokens "
+        f"- model: {report['model']} ({report['dtype']}"
+        + (f", {report['quantization']} weights" if report.get("quantization", "none") != "none" else "")
+        + f"); T = {s['temperature']:g}; up to {s['max_tokens']} tokens "
         f"per turn; {s['repeats']} repeat(s); workload {w['name']}: "
         + ", ".join(f"{c} {sum(1 for q in w['questions'] if q['category'] == c)}" for c in w["categories"])
         + f" questions; wall time {report['wall_s'] / 60:.1f} min",

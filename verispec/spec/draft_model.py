@@ -118,8 +118,18 @@ def make_draft_model_drafter(config: SpeculativeConfig, context: DrafterContext)
     target = context.target
     draft = load_model(config.model, device=target.model.device, dtype=target.model.dtype,
                        quantization=config.quantization)
-    check_vocab_compatible(target, draft)
-    vocab = target.model.config.vocab_size
+    return draft_model_drafter(draft, config, context)
+
+
+def draft_model_drafter(draft: LoadedModel, config: SpeculativeConfig,
+                        context: DrafterContext) -> DraftModelDrafter:
+    """The chain or tree drafter that ``config`` asks for, over an already loaded draft model.
+
+    Callers that run several configurations on one draft model (the benchmark harness) load it
+    once and build each drafter here; every drafter keeps its own KV cache.
+    """
+    check_vocab_compatible(context.target, draft)
+    vocab = context.target.model.config.vocab_size
     if config.is_tree:
         from verispec.spec.draft_tree import TreeDraftModelDrafter
 
