@@ -93,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--k-max", type=int, default=max(FIXED_K), help="most drafts the adaptive controller may choose")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype of both models (default: %(default)s)")
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                   help="pack the target's and the draft's linear layers alike (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="skip the short untimed warm-up of each engine")
     p.add_argument("--out", type=Path, help="also write the JSON result to this file")
     args = p.parse_args(argv)
@@ -147,7 +149,7 @@ def build_engines(args: argparse.Namespace, target: Any, max_model_len: int, dty
                                    model=args.draft if m.name == "draft_model" else None, adaptive=m.k is None)
         if m.name == "draft_model" and shared_drafter is None:
             log(f"loading draft {args.draft} ...")
-            draft = load_model(args.draft, device=target.model.device, dtype=dtype)
+            draft = load_model(args.draft, device=target.model.device, dtype=dtype, quantization=args.quantization)
             check_vocab_compatible(target, draft)
             shared_drafter = DraftModelDrafter(draft, target.model.config.vocab_size, max_model_len)
         drafter = shared_drafter if m.name == "draft_model" else None
@@ -257,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     questions = select_questions(args.questions, args.categories, args.num_questions)
     categories = list(dict.fromkeys(q["category"] for q in questions))
     log(f"loading target {args.target} ...")
-    target = load_model(args.target, dtype=dtype)
+    target = load_model(args.target, dtype=dtype, quantization=args.quantization)
     prompts = {q["question_id"]: target.tokenizer.apply_chat_template(q["turns"][0]) for q in questions}
     max_k = max([args.k_max] + [m.k or 0 for m in args.method_list])
     max_model_len = max(len(p) for p in prompts.values()) + args.max_tokens + max_k + 8
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     line = json.dumps({
         "bench": "adaptive", "target": args.target, "draft": args.draft, "max_tokens": args.max_tokens,
         "num_questions_per_category": args.num_questions, "k_max": args.k_max, "threads": args.threads,
-        "dtype": args.dtype, "methods": labels, "loadavg_start": load_start, "loadavg_end": os.getloadavg()[0],
+        "dtype": args.dtype, "quantization": args.quantization, "methods": labels, "loadavg_start": load_start, "loadavg_end": os.getloadavg()[0],
         "results": results, "goals": goal,
         "per_question": [{"question_id": r["qid"], "category": r["category"], "method": r["method"],
                           "decode_tokens": r["decode_tokens"], "decode_s": r["decode_s"],

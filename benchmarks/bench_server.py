@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", help="(default: %(default)s)")
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                   help="pack the target's linear layers; the draft's: the config's 'quantization' (default: %(default)s)")
     p.add_argument("--out", type=Path, help="also write the JSON result to this file")
     return p.parse_args(argv)
 
@@ -109,7 +111,7 @@ def build_servers(args: argparse.Namespace):
     from verispec.server.app import build_app
     from verispec.server.serve import BackgroundServer
 
-    target = load_model(args.target, dtype=args.dtype)
+    target = load_model(args.target, dtype=args.dtype, quantization=args.quantization)
     spec = SpeculativeConfig.from_json(args.speculative_config)
     engines = {
         "plain": Engine(target, None, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs),

@@ -234,6 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lookahead", default="2,3,2", metavar="W,N,G", help="lookahead window, n-gram and guess sizes")
     p.add_argument("--methods", default=",".join(METHODS), help="subset of %(default)s; plain is always run")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                   help="pack the target's and the draft's linear layers alike (default: %(default)s)")
     p.add_argument("--out", type=Path, help="also write the JSON result to this file")
     args = p.parse_args(argv)
     if not 1 <= args.num_prompts <= len(CODE_BODIES):
@@ -340,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.questions:
         requests += coding_questions(args.question_file, args.questions)
     log(f"loading target {args.target} ...")
-    target = load_model(args.target, progress=False)
+    target = load_model(args.target, progress=False, quantization=args.quantization)
     prompts = [target.tokenizer.apply_chat_template(text) for _, text in requests]
     max_model_len = max(len(p) for p in prompts) + args.max_tokens + args.k + 8
     engines = build_engines(args, target, max_model_len)

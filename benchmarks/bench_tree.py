@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=3, help="tree depth (default: %(default)s)")
     p.add_argument("--topk", type=int, default=2, help="tree branching (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                   help="pack the target's and the draft's linear layers alike (default: %(default)s)")
     p.add_argument("--out", type=Path, help="also write the JSON result here")
     args = p.parse_args(argv)
     args.temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
@@ -77,7 +79,8 @@ def build_engines(args: argparse.Namespace, target: Any, max_len: int) -> dict[t
             for shape, kw in (("chain", chain), ("tree", tree)):
                 engines[(name, shape)] = Engine(target, SpeculativeConfig(method="ngram", **kw), max_model_len=max_len)
             continue
-        draft = load_model(args.draft, device=target.model.device, dtype=target.model.dtype)
+        draft = load_model(args.draft, device=target.model.device, dtype=target.model.dtype,
+                           quantization=args.quantization)
         vocab = target.model.config.vocab_size
         drafters = {"chain": DraftModelDrafter(draft, vocab, max_len),
                     "tree": TreeDraftModelDrafter(draft, vocab, max_len, topk=args.topk, budget=args.budget,
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     load = machine_load(args.threads)
     from verispec.models.loader import load_model
 
-    target = load_model(args.target, dtype=getattr(torch, "bfloat16"))
+    target = load_model(args.target, dtype=torch.bfloat16, quantization=args.quantization)
     questions = select_questions(args.questions, args.num_questions)
     prompts = [target.tokenizer.apply_chat_template(q["turns"][0]) for q in questions]
     max_len = max(len(p) for p in prompts) + args.max_tokens + args.budget + 2
