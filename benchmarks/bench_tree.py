@@ -71,8 +71,10 @@ def build_engines(args: argparse.Namespace, target: Any, max_len: int) -> dict[t
     from verispec.spec.draft_model import DraftModelDrafter
     from verispec.spec.draft_tree import TreeDraftModelDrafter
 
-    chain = dict(num_speculative_tokens=args.budget)
-    tree = dict(num_speculative_tokens=args.depth, speculative_eagle_topk=args.topk, num_draft_tokens=args.budget)
+    # Fixed shapes (no adaptive controller): every round verifies budget + 1 positions either way.
+    chain = dict(num_speculative_tokens=args.budget, adaptive=False)
+    tree = dict(num_speculative_tokens=args.depth, speculative_eagle_topk=args.topk, num_draft_tokens=args.budget,
+                adaptive=False)
     engines = {}
     for name in args.drafter_list:
         if name == "ngram":
