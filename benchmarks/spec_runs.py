@@ -6,12 +6,12 @@ bench_server) use these few pieces for their own side-by-side tables.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 from verispec.bench.report import first_divergence
+from verispec.bench.workloads import read_jsonl
 
 __all__ = ["DEFAULT_QUESTIONS", "first_divergence", "run_one", "select_questions"]
 
@@ -21,18 +21,13 @@ DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared/data/spec_bench/question.jsonl"
 
 def select_questions(path: Path, n: int) -> list[dict]:
     """First ceil(n/2) coding questions, then floor(n/2) alternating summarization / rag."""
+    try:
+        rows = read_jsonl(path.read_text(encoding="utf-8"), str(path))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     by_cat: dict[str, list[dict]] = {}
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                q = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise SystemExit(f"{path}:{lineno}: not valid JSON ({exc})") from None
-            if not q.get("turns"):
-                raise SystemExit(f"{path}:{lineno}: question has no turns")
-            by_cat.setdefault(q.get("category", ""), []).append(q)
+    for q in rows:
+        by_cat.setdefault(q["category"], []).append(q)
     n_coding, n_other = (n + 1) // 2, n // 2
     coding = by_cat.get("coding", [])[:n_coding]
     summ, rag = by_cat.get("summarization", []), by_cat.get("rag", [])
