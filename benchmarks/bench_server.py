@@ -4,8 +4,10 @@ One process loads the target once and serves it twice, from two engines on two l
 one with the drafter, one without (both with ``--max-num-seqs`` slots). For each concurrency
 level (default 1, 2, 4, 8) the same requests go to both servers, streamed through the real
 ``openai`` client, with ``concurrency`` requests in flight at a time; which server goes first
-alternates from level to level, so machine drift hits both alike. Requests are Spec-Bench chat
-questions (the same selection as ``bench_spec.py``), greedy, up to ``--max-tokens`` each.
+alternates from level to level, so machine drift hits both alike. Every level sends the same
+``--requests`` Spec-Bench chat questions (one per category in turn, the long-document
+summarization and RAG categories left out), greedy, up to ``--max-tokens`` each, so levels differ
+only in how many are in flight.
 
 Figures per level and server:
 
@@ -13,7 +15,9 @@ Figures per level and server:
 * latency -- mean request time, mean time to first token, mean inter-token latency
   ((last token - first token) / (tokens - 1)), all seen by the client;
 * mean acceptance length -- from the servers' per-request ``speculative_stats``;
-* identical -- whether every greedy text equals the other server's for the same request.
+* identical -- how many greedy texts equal the plain server's for the same request at the same
+  level, and (``alone``) how many of the speculative server's equal what the plain server gave
+  at the lowest level (one request at a time when that level is 1).
 
 Goals (issue "OpenAI-compatible server"): speculation >= 1.3x plain throughput at concurrency
 1 and >= 0.95x at concurrency 8; plain throughput at concurrency 8 >= 3x plain at
@@ -31,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from spec_runs import DEFAULT_QUESTIONS, select_questions
+from spec_runs import DEFAULT_QUESTIONS, chat_questions
 from common import log, machine_load
 
 
@@ -41,8 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speculative-config", default='{"model": "qwen2.5-coder-0.5b-instruct", '
                    '"num_speculative_tokens": 4}', help="drafter of the speculative server (default: %(default)s)")
     p.add_argument("--concurrency", default="1,2,4,8", help="levels (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=0,
-                   help="requests per level (default: 2 x the level's concurrency)")
+    p.add_argument("--requests", type=int, default=16,
+                   help="requests per level, the same at every level (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="max tokens per request (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="engine slots (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=2048, help="(default: %(default)s)")
@@ -129,19 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     load = machine_load(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
-    questions = [q["turns"][0] for q in select_questions(args.questions, max(2 * c for c in levels))]
+    if args.requests < max(levels):
+        raise SystemExit(f"--requests {args.requests} is fewer than the highest concurrency {max(levels)}")
+    questions = [q["turns"][0] for q in chat_questions(args.questions, args.requests)]
     servers = build_servers(args)
     results: dict[str, dict] = {"plain": {}, "spec": {}}
     with servers["plain"], servers["spec"]:
         for name, server in servers.items():  # warm-up, untimed
             asyncio.run(run_level(server.url, questions[:1], 1, 4))
         for i, c in enumerate(levels):
-            n = args.requests or 2 * c
-            batch = (questions * (n // len(questions) + 1))[:n]
             order = ["plain", "spec"] if i % 2 == 0 else ["spec", "plain"]
             for name in order:
-                log(f"concurrency {c}: {n} requests to the {name} server")
-                results[name][c] = asyncio.run(run_level(servers[name].url, batch, c, args.max_tokens))
+                log(f"concurrency {c}: {len(questions)} requests to the {name} server")
+                results[name][c] = asyncio.run(run_level(servers[name].url, questions, c, args.max_tokens))
     report = summarise(args, levels, results, load)
     print_table(report)
     line = json.dumps(report)
@@ -153,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarise(args: argparse.Namespace, levels: list[int], results: dict, load: float) -> dict:
     rows = []
+    alone = results["plain"][levels[0]]["texts"]
     for c in levels:
         plain, spec = results["plain"][c], results["spec"][c]
         rows.append({
@@ -161,6 +166,7 @@ def summarise(args: argparse.Namespace, levels: list[int], results: dict, load: 
             "spec": {k: v for k, v in spec.items() if k != "texts"},
             "speedup": ratio(spec["throughput_tok_s"], plain["throughput_tok_s"]),
             "identical": sum(a == b for a, b in zip(plain["texts"], spec["texts"])),
+            "identical_to_alone": sum(a == b for a, b in zip(alone, spec["texts"])),
             "requests": len(plain["texts"]),
         })
     by_c = {r["concurrency"]: r for r in rows}
@@ -188,7 +194,8 @@ def print_table(report: dict) -> None:
         for name in ("plain", "spec"):
             m = r[name]
             speedup = f(r["speedup"]) + "x" if name == "spec" else "1.00x"
-            ident = f"{r['identical']}/{r['requests']}" if name == "spec" else ""
+            ident = (f"{r['identical']}/{r['requests']} (alone {r['identical_to_alone']})"
+                     if name == "spec" else "")
             print(f"| {r['concurrency']} | {name} | {f(m['throughput_tok_s'])} | {speedup} | "
                   f"{f(m['mean_latency_s'])} | {f(m['mean_ttft_s'])} | {f(m['mean_itl_s'] and m['mean_itl_s'] * 1e3, '.1f')} | "
                   f"{f(m['mean_acceptance_length'])} | {ident} |")

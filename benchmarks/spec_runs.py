@@ -13,7 +13,7 @@ from typing import Any
 from verispec.bench.report import first_divergence
 from verispec.bench.workloads import read_jsonl
 
-__all__ = ["DEFAULT_QUESTIONS", "first_divergence", "run_one", "select_questions"]
+__all__ = ["DEFAULT_QUESTIONS", "chat_questions", "first_divergence", "run_one", "select_questions"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared/data/spec_bench/question.jsonl"
@@ -43,6 +43,30 @@ def select_questions(path: Path, n: int) -> list[dict]:
             f"(found {len(summ)} + {len(rag)})"
         )
     return coding + other
+
+
+LONG_PROMPT_CATEGORIES = ("summarization", "rag")  # 700-2,000-token documents
+
+
+def chat_questions(path: Path, n: int) -> list[dict]:
+    """``n`` short chat questions: one from each category in turn (Spec-Bench file order),
+    skipping the long-document categories, so any prefix mixes the task kinds evenly."""
+    try:
+        rows = read_jsonl(path.read_text(encoding="utf-8"), str(path))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    by_cat: dict[str, list[dict]] = {}
+    for q in rows:
+        if q["category"] not in LONG_PROMPT_CATEGORIES:
+            by_cat.setdefault(q["category"], []).append(q)
+    picked: list[dict] = []
+    for i in range(n):
+        for questions in by_cat.values():
+            if i < len(questions) and len(picked) < n:
+                picked.append(questions[i])
+    if len(picked) < n:
+        raise SystemExit(f"{path} has only {len(picked)} short chat questions, {n} asked for")
+    return picked
 
 
 def run_one(engine: Any, prompt_ids: list[int], max_tokens: int) -> dict:

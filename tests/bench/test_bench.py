@@ -1,4 +1,5 @@
-"""The bench harness end to end on tiny models: report files, equality check, --compare, Ctrl-C.
+"""The bench harness end to end on tiny models: report files, equality check, --compare, Ctrl-C,
+--resume.
 
 The harness runs on a tiny random bf16 target (plus a perturbed copy as draft model) with a
 toy chat format, on an inline JSONL with three categories, one of them two-turn. A drafter that
@@ -17,6 +18,7 @@ import pytest
 
 from verispec.bench import methods as bench_methods
 from verispec.bench.cli import run_and_report
+from verispec.bench.report import load_report
 from verispec.bench.runner import Settings
 from verispec.bench.workloads import load_workload
 from verispec.cli import main
@@ -82,10 +84,11 @@ def make_runner(out_root: Path):
             "machine": {"date": "now", "cpu": "cpu", "cpu_count": 1, "torch_threads": 1, "torch": "t",
                         "transformers": "t", "loadavg_start": 0.0}}
 
-    def run(out: Path, settings: Settings) -> dict:
+    def run(out: Path, settings: Settings, previous: dict | None = None) -> dict:
         specs = bench_methods.parse_methods(METHODS)
         return run_and_report(loaded(target_model), ToyFormat(), specs, workload, settings, out,
-                              lambda name, quantization: loaded(draft_model, name=name), meta)
+                              lambda name, quantization: loaded(draft_model, name=name), meta,
+                              previous=previous)
 
     return run
 
@@ -183,6 +186,54 @@ def test_ctrl_c_writes_a_partial_report(tmp_path, monkeypatch, capsys):
     assert "PARTIAL REPORT" in (out / "report.md").read_text()
     assert json.loads((out / "report.json").read_text())["partial"] is True
     assert (out / "speedup.png").is_file() and (out / "acceptance.png").is_file()
+
+
+def test_resume_runs_only_the_missing_blocks_and_keeps_the_earlier_ones(tmp_path, monkeypatch, capsys):
+    real = bench_methods.EngineRunner.generate
+    calls = []
+
+    def counted(self, prompt_ids, params):
+        calls.append(1)
+        if interrupt and len(calls) == 10:  # block 1 (4 methods x 2 turns), then mid-block 2
+            raise KeyboardInterrupt
+        return real(self, prompt_ids, params)
+
+    monkeypatch.setattr(bench_methods.EngineRunner, "generate", counted)
+    out, settings = tmp_path / "resumed", Settings(max_tokens=4, warmup=False, progress=False)
+    run = make_runner(tmp_path)
+    interrupt = True
+    with corrupt_registered():
+        first = run(out, settings)
+    assert first["partial"] and first["blocks_done"] == 1
+
+    previous = load_report(out / "report.json")
+    interrupt, calls[:] = False, []
+    with corrupt_registered():
+        report = run(out, settings, previous=previous)
+    assert len(calls) == 8  # blocks 2 and 3: one turn each, 4 methods; block 1 not run again
+    assert report["partial"] is False and report["blocks_done"] == 3
+    assert report["runs"][:8] == first["runs"]  # the earlier block's runs, unchanged
+    assert {r["question_id"] for r in report["runs"]} == {"1", "3", "4"}
+    assert set(report["results"]["plain"]) == {"alpha", "beta", "gamma", "overall"}
+    assert len(report["segments"]) == 2 and report["wall_s"] > first["wall_s"]
+    assert "in 2 sittings" in (out / "report.md").read_text()
+    # The kept runs' metrics were read back, not dropped: block 1 alone gives the same figures.
+    alpha = report["results"]["ngram@k=3,prompt_lookup_max=2"]["alpha"]
+    assert alpha["mean_acceptance_length"] == first["results"]["ngram@k=3,prompt_lookup_max=2"]["alpha"][
+        "mean_acceptance_length"]
+    assert report["results"]["draft_model:tiny-draft@k=2"]["overall"]["per_position_acceptance"]
+
+
+def test_resume_refuses_a_report_of_another_benchmark(tmp_path, capsys):
+    out = tmp_path / "r"
+    with corrupt_registered():
+        make_runner(tmp_path)(out, Settings(max_tokens=3, warmup=False, progress=False))
+    previous = load_report(out / "report.json")
+    with corrupt_registered(), pytest.raises(ValueError, match="cannot resume: settings differs"):
+        make_runner(tmp_path)(out, Settings(max_tokens=4, warmup=False, progress=False), previous=previous)
+    assert main(["bench", "--model", "no-such-model-anywhere", "--questions", "code-edit", "--resume",
+                 "--out", str(out)]) == 2
+    assert "is a finished report: nothing to resume" in capsys.readouterr().err
 
 
 def test_sampling_runs_report_no_identity_check(tmp_path, capsys):

@@ -73,6 +73,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--quantization-group-size", type=int, default=32, choices=(32, 64, 128),
                    help="int4 group size (default 32)")
     b.add_argument("--out", type=Path, default=Path("bench-report"), help="report directory (default: %(default)s)")
+    b.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run whose report is in --out: keep its finished "
+                   "question blocks, run the rest (model, methods, settings and questions must match)")
     b.add_argument("--no-warmup", action="store_true", help="skip the short untimed warm-up run of each method")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("--compare", nargs=2, type=Path, metavar=("A.json", "B.json"),
@@ -98,6 +101,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         seed=args.seed, warmup=not args.no_warmup, progress=not args.no_progress)
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     workload = load_workload(args.questions, categories, args.num_questions)
+    previous = None
+    if args.resume:
+        previous = load_report(args.out / "report.json")
+        if not previous.get("partial"):
+            raise ValueError(f"{args.out / 'report.json'} is a finished report: nothing to resume")
 
     import torch
 
@@ -121,25 +129,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           group_size=args.quantization_group_size)
 
     report = run_and_report(target, ChatFormat(target.tokenizer), specs, workload, settings, args.out, load,
-                            meta, threads=args.threads, gguf=path if path.suffix.lower() == ".gguf" else None)
+                            meta, threads=args.threads, gguf=path if path.suffix.lower() == ".gguf" else None,
+                            previous=previous)
     return 130 if report["partial"] else 0
 
 
 def run_and_report(target: Any, fmt: PromptFormat, specs: list[MethodSpec], workload: Workload,
                    settings: Settings, out: Path, load: Callable[[str, str], Any], meta: dict,
-                   threads: int | None = None, gguf: Path | None = None) -> dict:
-    """Build every method on ``target``, run the workload, write and print the report."""
+                   threads: int | None = None, gguf: Path | None = None, previous: dict | None = None) -> dict:
+    """Build every method on ``target``, run the workload, write and print the report.
+
+    ``previous``: an interrupted report of the same benchmark to continue (``--resume``).
+    """
     from verispec.bench.methods import Builder
-    from verispec.bench.report import build_report, render_markdown, summary_json, write_report
+    from verispec.bench.report import (
+        build_report, render_markdown, report_header, resume_runs, summary_json, write_report,
+    )
     from verispec.bench.runner import max_model_len, run_bench
+
+    done = []
+    segment = {"loadavg_start": meta["machine"].get("loadavg_start")}
+    if previous is not None:
+        done = resume_runs(previous, {**meta, **report_header(specs, workload, settings)})
+        log(f"resuming: {len({(r.question_id, r.repeat) for r in done})} question blocks already done")
 
     builder = Builder(target, max_model_len(workload.questions, fmt, settings.max_tokens), load, threads, gguf)
     runners = {}
     for spec in specs:
         log(f"building {spec.label} ...")
         runners[spec.label] = builder.build(spec)
-    result = run_bench(runners, workload.questions, fmt, settings)
-    meta = {**meta, "machine": {**meta["machine"], "loadavg_end": os.getloadavg()[0]}}
+    result = run_bench(runners, workload.questions, fmt, settings, done=done)
+    segment.update(blocks=len({(r.question_id, r.repeat) for r in result.runs[len(done):]}),
+                   wall_s=result.wall_s, loadavg_end=os.getloadavg()[0])
+    meta = {**meta, "machine": {**meta["machine"], "loadavg_end": os.getloadavg()[0]},
+            "segments": [*(previous or {}).get("segments", []), segment]}
+    if previous is not None:
+        result.wall_s += previous["wall_s"]
     report = build_report(result, specs, workload, settings, meta)
     files = write_report(report, out)
     print(render_markdown(report))

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from verispec.bench.methods import PLAIN, MethodSpec
+from verispec.bench.methods import PLAIN, MethodSpec, TurnResult
 from verispec.bench.runner import BenchResult, Run, Settings
 from verispec.bench.workloads import Workload
 from verispec.spec.metrics import SpecMetrics
@@ -136,6 +136,20 @@ def goals(results: dict, specs: list[MethodSpec], greedy: bool) -> dict:
     }
 
 
+def report_header(specs: list[MethodSpec], workload: Workload, settings: Settings) -> dict:
+    """What was asked for: settings, questions and methods (also what ``--resume`` checks)."""
+    categories = list(dict.fromkeys(q.category for q in workload.questions))
+    return {
+        "settings": {"max_tokens": settings.max_tokens, "temperature": settings.temperature,
+                     "repeats": settings.repeats, "seed": settings.seed, "warmup": settings.warmup},
+        "workload": {"name": workload.name, "source": workload.source, "categories": categories,
+                     "questions": [{"question_id": q.question_id, "category": q.category, "turns": len(q.turns)}
+                                   for q in workload.questions]},
+        "methods": [{"label": s.label, "backend": s.backend, "name": s.name, "arg": s.arg, "options": s.options}
+                    for s in specs],
+    }
+
+
 def build_report(result: BenchResult, specs: list[MethodSpec], workload: Workload, settings: Settings,
                  meta: dict) -> dict:
     """Everything about one benchmark run, as one JSON-ready dict."""
@@ -151,13 +165,7 @@ def build_report(result: BenchResult, specs: list[MethodSpec], workload: Workloa
     return {
         "partial": result.partial,
         **meta,
-        "settings": {"max_tokens": settings.max_tokens, "temperature": settings.temperature,
-                     "repeats": settings.repeats, "seed": settings.seed, "warmup": settings.warmup},
-        "workload": {"name": workload.name, "source": workload.source, "categories": categories,
-                     "questions": [{"question_id": q.question_id, "category": q.category, "turns": len(q.turns)}
-                                   for q in workload.questions]},
-        "methods": [{"label": s.label, "backend": s.backend, "name": s.name, "arg": s.arg, "options": s.options}
-                    for s in specs],
+        **report_header(specs, workload, settings),
         "blocks_done": len(done),
         "blocks_planned": len(workload.questions) * settings.repeats,
         "wall_s": result.wall_s,
@@ -170,7 +178,8 @@ def build_report(result: BenchResult, specs: list[MethodSpec], workload: Workloa
              "prefill_s": r.result.prefill_s, "finish_reason": r.result.finish_reason,
              "mean_acceptance_length": r.result.metrics.mean_acceptance_length if r.result.metrics else None,
              "first_divergence": None if d == "n/a" else d, "compared": d != "n/a",
-             "output_ids": r.result.output_ids}
+             "output_ids": r.result.output_ids, "first_tokens": r.result.first_tokens,
+             "metrics": r.result.metrics.to_dict() if r.result.metrics else None}
             for r, d in zip(result.runs, div)
         ],
     }
@@ -213,7 +222,9 @@ def render_markdown(report: dict) -> str:
         + f"); T = {s['temperature']:g}; up to {s['max_tokens']} tokens "
         f"per turn; {s['repeats']} repeat(s); workload {w['name']}: "
         + ", ".join(f"{c} {sum(1 for q in w['questions'] if q['category'] == c)}" for c in w["categories"])
-        + f" questions; wall time {report['wall_s'] / 60:.1f} min",
+        + f" questions; wall time {report['wall_s'] / 60:.1f} min"
+        + (f" in {len(report['segments'])} sittings (resumed with --resume; each question block ran whole, "
+           "all methods side by side, within one sitting)" if len(report.get("segments", [])) > 1 else ""),
         "",
         "## Speedup over verispec plain (end to end tok/s ratio)",
         "",
@@ -298,6 +309,38 @@ def load_report(path: Path) -> dict:
     if not isinstance(report, dict) or not isinstance(report.get("results"), dict):
         raise ValueError(f"{path} is not a verispec bench report (no 'results')")
     return report
+
+
+# ---------------------------------------------------------------------------------------------
+# --resume
+# ---------------------------------------------------------------------------------------------
+
+# What must match for an earlier report's blocks to be reused: the same model and weights, the
+# same methods, settings and questions.
+RESUME_KEYS = ("model", "dtype", "quantization", "methods", "settings")
+
+
+def resume_runs(previous: dict, current: dict) -> list[Run]:
+    """The runs of ``previous`` (a report read back), checked against ``current`` (the same keys
+    of the run about to start); a mismatch is an error that names what differs."""
+    for key in RESUME_KEYS:
+        if previous.get(key) != current.get(key):
+            raise ValueError(f"cannot resume: {key} differs from the earlier report's "
+                             f"({previous.get(key)!r} there, {current.get(key)!r} now)")
+    planned = {(q["question_id"], q["category"]) for q in current["workload"]["questions"]}
+    runs = []
+    for r in previous.get("runs", []):
+        if (r["question_id"], r["category"]) not in planned:
+            raise ValueError(f"cannot resume: the earlier report ran question {r['question_id']!r}, "
+                             "which is not in this run's questions")
+        if "metrics" not in r:
+            raise ValueError("cannot resume: the earlier report does not keep its runs' metrics "
+                             "(written by an older verispec)")
+        result = TurnResult(r["output_ids"], r["total_s"], r["prefill_s"], r["finish_reason"],
+                            SpecMetrics.from_dict(r["metrics"]) if r["metrics"] else None, r["first_tokens"])
+        runs.append(Run(r["method"], r["question_id"], r["category"], r["turn"], r["repeat"], r["order"],
+                        r["prompt_tokens"], result))
+    return runs
 
 
 def compare_reports(a: dict, b: dict, name_a: str = "A", name_b: str = "B") -> str:

@@ -14,7 +14,10 @@ repeat in :mod:`verispec.bench.report`.
 Sampling (T > 0) uses one seed per (question, turn, repeat), the same for every method.
 
 Ctrl-C stops the loop; the (question, repeat) blocks that every method finished are returned
-with ``partial`` set, so a partial report still compares methods on the same questions.
+with ``partial`` set, so a partial report still compares methods on the same questions. A later
+run with ``--resume`` reads them back and runs only the blocks still missing, so a benchmark
+longer than one sitting is built block by block; every block is still all methods side by side
+in one process.
 """
 
 from __future__ import annotations
@@ -78,12 +81,19 @@ def run_bench(
     questions: Sequence[Question],
     fmt: PromptFormat,
     settings: Settings,
+    done: Sequence[Run] = (),
 ) -> BenchResult:
-    """Run every runner on every question; ``runners`` maps method label -> runner, plain first."""
+    """Run every runner on every question; ``runners`` maps method label -> runner, plain first.
+
+    ``done`` holds the runs of an earlier, interrupted run of the same benchmark (``--resume``):
+    their (question, repeat) blocks are kept as they are and not run again.
+    """
     labels = list(runners)
-    runs: list[Run] = []
+    runs: list[Run] = list(done)
+    finished = {(r.question_id, r.repeat) for r in done}
     t0 = time.perf_counter()
-    total = sum(len(q.turns) for q in questions) * settings.repeats * len(labels)
+    total = len(labels) * sum(len(q.turns) for q in questions for k in range(settings.repeats)
+                              if (q.question_id, k) not in finished)
     bar = tqdm(total=total, desc="bench", unit="turn", disable=not settings.progress, dynamic_ncols=True)
     partial = True
     try:
@@ -96,6 +106,8 @@ def run_bench(
                 runners[label].generate(warm, params)
         for qi, q in enumerate(questions):
             for repeat in range(settings.repeats):
+                if (q.question_id, repeat) in finished:
+                    continue
                 block: list[Run] = []
                 shift = (qi * settings.repeats + repeat) % len(labels)
                 for order, label in enumerate(labels[shift:] + labels[:shift]):

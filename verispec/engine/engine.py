@@ -37,11 +37,12 @@ verification walks the tree, and commit keeps the accepted path's K/V with one c
 (:meth:`KVCache.keep`).
 
 k per sequence: the batch-aware rule of :mod:`verispec.engine.batch_k` caps it as the batch
-grows, a request's own ``num_speculative_tokens`` caps it further, and the controller
-(:mod:`verispec.spec.controller`) picks a k up to that cap from measured costs and the request's
-acceptance. A seeded sampled request skips both and drafts the full cap, so that its seed
-reproduces its output (its random draws depend on how many drafts each round verifies; greedy
-output does not depend on k at all).
+grows, and the controller (:mod:`verispec.spec.controller`) picks a k up to that cap from
+measured costs and the request's acceptance. A request that sets its own
+``num_speculative_tokens`` pins k (at most the engine's): it skips both and drafts that many
+every round it can, as asked. So does a seeded sampled request, at the engine's k, so that its
+seed reproduces its output (its random draws depend on how many drafts each round verifies;
+greedy output does not depend on k at all).
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ class Engine:
         result = self._verify_logits(seq, EMPTY_PROPOSAL, logits)
         seq.append(result.committed(0))
         if self.drafter is not None and not seq.finished:
-            self.drafter.start(seq)  # the drafter reads the prompt too: part of prefill
+            self.drafter.start(seq)  # per-request set-up (a draft model defers reading the prompt)
         seq.metrics.prefill_time_s += time.perf_counter() - t0
         return seq
 
@@ -401,8 +402,9 @@ class Engine:
         self.metrics.merge(seq.metrics)
 
 def _fixed_k(seq: Sequence) -> bool:
-    """A seeded sampled request drafts a fixed k, so that its seed reproduces its output."""
-    return seq.params.seed is not None and not seq.params.greedy
+    """A request that pinned its k, or a seeded sampled one (its seed must reproduce its output),
+    drafts a fixed k."""
+    return seq.num_speculative_tokens is not None or (seq.params.seed is not None and not seq.params.greedy)
 
 def _depth(proposal: Proposal) -> int:
     """Tokens the proposal can commit before the bonus: its length, or a tree's depth."""

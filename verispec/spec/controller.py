@@ -30,15 +30,29 @@ measures instead of assuming:
   prior) and follows its own content with a fast EMA, so it adapts within a few rounds when the
   text turns from prose to code to copied passages.
 
+Two guards keep a request from paying for estimates it has not checked itself. A new request
+starts from the engine-wide prior, which the previous requests shaped; after a run of easily
+predicted code, that prior says "draft 8" even to a prose request, and with a draft model one
+such round costs several decode steps. So k may reach at most ``ramp`` (2) positions past the
+deepest one this request has tested (2, 4, 6, ... while every draft survives), and
+speculation must beat plain decoding by a ``margin`` (2%) in prediction, not merely tie with it,
+since at break-even the estimation noise alone makes it lose.
+
 When no k > 0 beats plain decoding the request runs plain rounds, but probes now and then with
 the best k, so speculation returns once the content becomes predictable again. Probes are paid
-from an exploration budget: every plain round earns ``explore`` (3%) of its time, and a probe
-spends what it actually lost against plain decoding (its round time minus T_target(1) per token
-it committed). A probe is made when the balance is not negative. So probing costs at most that
-fraction of the plain-round time however expensive it is: a failed prompt-lookup probe (~alpha
-lost) waits ~alpha / 0.03 rounds, while a draft model, which must first read every token
-committed while it was idle, waits in proportion to that catch-up and so probes ever more
-rarely. A probe that gains earns credit, so a recovering request probes again at once.
+from an exploration budget: every plain round earns ``explore`` (3%) of its time, and every
+drafting round, probe or not, spends what it actually lost against plain decoding (its round
+time minus T_target(1) per token it committed); the balance never rises above zero while
+drafting, so gains are not saved up to pay for later losses. A probe is made when the balance is
+not negative and covers the probe's known catch-up cost: a draft model must first read every
+token it has not seen (the prompt of a new request, whatever plain rounds committed), and the
+cost model learns that time per token from the first drafting rounds after idling (prompt
+lookup's is ~0). The round that showed speculation stopped paying has already charged its loss,
+so the first probe waits for it to be earned back. Probing thus costs about that fraction of
+the plain-round time however expensive it is: a failed prompt-lookup probe (~alpha lost) waits
+~alpha / 0.03 rounds, while a draft model waits in proportion to its catch-up, and a new request
+whose prior says speculation does not pay never pays a draft model's prompt prefill for a probe
+it has not earned. A probe that gains earns credit, so a recovering request probes again at once.
 
 Costs are measured with the phases the engine already times: the drafting phase and the verify
 phase (target forward plus verification). The first drafting round after plain rounds also
@@ -164,18 +178,30 @@ def _ema(old: float | None, new: float, weight: float) -> float:
 
 @dataclass
 class CostModel:
-    """Measured round costs: T_target(n) per n (EMA) and the draft time per token (EMA)."""
+    """Measured round costs: T_target(n) per n (EMA), the draft time per draft token (EMA) and
+    the drafter's catch-up time per token it missed while idle (EMA)."""
 
     weight: float = 0.2  # EMA weight of a new sample
     prior_alpha: float = 0.1  # v(n) slope used until two different n have been measured
     target_s: dict[int, float] = field(default_factory=dict)  # n -> EMA of the verify time
     draft_s_per_token: float | None = None
+    catch_up_s_per_token: float | None = None
 
     def observe_target(self, n: int, seconds: float) -> None:
         self.target_s[n] = _ema(self.target_s.get(n), seconds, self.weight)
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         self.draft_s_per_token = _ema(self.draft_s_per_token, seconds / tokens, self.weight)
+
+    def observe_catch_up(self, missed: int, drafted: int, seconds: float) -> None:
+        """A first drafting round after ``missed`` unseen tokens (the prompt, plain rounds)."""
+        if missed > 0:  # until the per-draft cost is known, all of the round's drafting counts
+            extra = max(seconds - drafted * (self.draft_s_per_token or 0.0), 0.0)
+            self.catch_up_s_per_token = _ema(self.catch_up_s_per_token, extra / missed, self.weight)
+
+    def catch_up_time(self, missed: int) -> float:
+        """Predicted seconds to catch a drafter up on ``missed`` tokens; 0 until measured."""
+        return missed * (self.catch_up_s_per_token or 0.0)
 
     def target_time(self, n: int) -> float | None:
         """The EMA for n if measured; else the least-squares line through all measured n."""
@@ -207,8 +233,10 @@ class CostModel:
 class _Request:
     acceptance: list[float]  # [k] per-position conditional acceptance estimates
     drafted_last: bool = False  # the drafter is in sync (it drafted last round)
-    probing: bool = False  # this round is a probe while speculation is off
     balance: float = 0.0  # exploration budget in seconds; a probe is allowed when >= 0
+    depth: int = 0  # the deepest draft position this request has tested (accepted, or the first rejected)
+    seen: int = 0  # tokens of the request the drafter had read by its last drafting round
+    missed: int = 0  # tokens the drafter has not read when this round starts
 
 
 class AdaptiveController:
@@ -219,11 +247,14 @@ class AdaptiveController:
         request_weight: EMA weight of one observation in a request's own estimates (fast).
         prior_weight: EMA weight of one observation in the engine-wide prior (slow).
         explore: the fraction of plain-round time that probes may cost (see the module doc).
+        ramp: how far past the deepest position a request has tested its k may reach.
+        margin: the predicted gain over plain decoding that speculation must beat (a fraction).
         costs: the cost model; a fresh one by default.
     """
 
     def __init__(self, *, prior_acceptance: float = 0.5, request_weight: float = 0.3,
-                 prior_weight: float = 0.05, explore: float = 0.03, costs: CostModel | None = None) -> None:
+                 prior_weight: float = 0.05, explore: float = 0.03, ramp: int = 2, margin: float = 0.02,
+                 costs: CostModel | None = None) -> None:
         if not 0.0 <= prior_acceptance <= 1.0:
             raise ValueError(f"prior_acceptance must be in [0, 1], got {prior_acceptance}")
         if not (0 < prior_weight <= 1 and 0 < request_weight <= 1):
@@ -235,26 +266,29 @@ class AdaptiveController:
         self.prior_acceptance = prior_acceptance
         self.request_weight, self.prior_weight = request_weight, prior_weight
         self.explore = explore
+        if ramp < 1:
+            raise ValueError(f"ramp must be >= 1, got {ramp}")
+        if margin < 0:
+            raise ValueError(f"margin must be >= 0, got {margin}")
+        self.ramp, self.margin = ramp, margin
         # Per-request state lives as long as its sequence does.
         self._requests: weakref.WeakKeyDictionary[Seq, _Request] = weakref.WeakKeyDictionary()
 
     def choose_k(self, seq: Seq, k_max: int) -> int:
         req = self._request(seq)
-        req.probing = False
+        req.missed = len(seq.token_ids) - req.seen
         if k_max <= 0:
             return 0
         costs = self.costs.relative(k_max)
         if costs is None:
             return 0  # a plain round measures T_target(1) first
         gains = speedups(self._estimates(req, k_max), *costs)
-        best = max(range(1, k_max + 1), key=gains.__getitem__)
-        if gains[best] > gains[0]:
-            req.balance = 0.0
+        best = max(range(1, min(k_max, req.depth + self.ramp) + 1), key=gains.__getitem__)
+        if gains[best] > gains[0] * (1 + self.margin):
             return best
-        if req.balance < 0:
-            return 0
-        req.probing = True
-        return best
+        # A probe: only once the budget covers what catching the drafter up is known to cost.
+        catch_up = 0.0 if req.drafted_last else self.costs.catch_up_time(req.missed)
+        return best if req.balance >= catch_up else 0
 
     def observe(self, seq: Seq, report: RoundReport) -> None:
         req = self._request(seq)
@@ -262,8 +296,13 @@ class AdaptiveController:
         self.costs.observe_target(n + 1, report.verify_s)
         if n > 0 and req.drafted_last:
             self.costs.observe_draft(n, report.draft_s)
+        elif n > 0:
+            self.costs.observe_catch_up(req.missed, n, report.draft_s)
+        if n > 0:
+            req.seen = len(seq.token_ids)
         req.drafted_last = n > 0
         tested = min(a + 1, n)  # drafts 1..a were accepted, draft a+1 (if proposed) rejected
+        req.depth = max(req.depth, tested)
         self._grow(self.prior, tested)
         req.acceptance.extend(self.prior[len(req.acceptance):tested])
         for i in range(tested):
@@ -275,12 +314,12 @@ class AdaptiveController:
             # draft n's. Without this, one unlucky rejection deep in the chain would cap k for
             # good, because positions beyond the chosen k are never tested again.
             req.acceptance[n] = _ema(req.acceptance[n], req.acceptance[n - 1], self.request_weight)
-        if req.probing:
-            # What the probe lost against plain decoding (negative: it gained), catch-up included.
-            t1 = self.costs.target_s[1]
-            req.balance -= report.draft_s + report.verify_s - report.num_committed * t1
-        elif n == 0:
+        t1 = self.costs.target_s.get(1)
+        if n == 0:
             req.balance += self.explore * report.verify_s
+        elif t1 is not None:  # (a pinned-k request may draft before any plain round)
+            # What the round lost against plain decoding (negative: it gained), catch-up included.
+            req.balance = min(req.balance - (report.draft_s + report.verify_s - report.num_committed * t1), 0.0)
 
     # ---- helpers -----------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ Draft cache bookkeeping for one round, with ``L0`` committed tokens before the r
     a accepted       committed = d_1..d_a + x; keep ids[:L0] + d_1..d_min(a, k-1)
 
 When all k drafts are accepted, d_k and the bonus token are both missing from the cache; the next
-round feeds them together in its first forward, so catching up costs no extra pass.
+round feeds them together in its first forward, so catching up costs no extra pass. The same
+catch-up reads the prompt on a request's first drafting round (``start`` reads nothing), and
+whatever was committed during rounds that drafted nothing.
 
 The draft samples from q = logits_to_probs(draft logits) with the request's own sampling
 settings and generator, and returns q with the tokens, so verification stays exact.
@@ -51,12 +53,10 @@ class DraftModelDrafter:
         self._round_start: dict[int, tuple[int, int]] = {}  # slot -> (L0, k) of the last proposal
 
     def start(self, seq: Sequence) -> None:
-        """Prefill the draft cache with everything but the last committed token."""
+        """Read nothing yet: the first :meth:`propose` feeds the draft everything it has not
+        seen (the prompt included) in one pass. A request that never drafts (speculation off
+        for it, or k = 0 whenever it runs, as in a large batch) never pays the draft's prefill."""
         self.cache.reset(seq.slot)
-        ids = seq.token_ids[:-1]
-        device = self.model.device
-        self.model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device)[None],
-                   self.cache, slots=[seq.slot], num_logits=1)
 
     def propose(self, seq: Sequence, k: int) -> Proposal:
         ids = seq.token_ids

@@ -23,7 +23,7 @@ The CLI's ``--stats``, the benchmarks and (later) the server's ``/metrics`` read
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -87,6 +87,23 @@ class SpecMetrics:
         for n, (count, total) in other.target_time_by_n.items():
             self.target_time_by_n[n][0] += count
             self.target_time_by_n[n][1] += total
+
+    def to_dict(self) -> dict:
+        """The counters as JSON-ready data (:meth:`from_dict` reads them back)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["target_time_by_n"] = {str(n): list(v) for n, v in self.target_time_by_n.items()}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SpecMetrics:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown metrics fields: {sorted(unknown)}")
+        metrics = cls(**{k: v for k, v in data.items() if k != "target_time_by_n"})
+        for n, (count, total) in data.get("target_time_by_n", {}).items():
+            metrics.target_time_by_n[int(n)] = [count, total]
+        return metrics
 
     # ---- derived figures -------------------------------------------------------------------
 
