@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from verispec.config import SpeculativeConfig
 from verispec.engine.sequence import Sequence
+from verispec.models.decoder import PREFILL_FP32_MIN_TOKENS
 from verispec.sampling import logits_to_probs, sample
 from verispec.spec.base import DrafterContext, Outcome, Proposal, register_drafter
 
@@ -45,6 +46,10 @@ def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
+# Catch-up passes over generated tokens stay below the decoder's float32 prefill threshold.
+DECODE_CHUNK = PREFILL_FP32_MIN_TOKENS - 1
+
+
 class DraftModelDrafter:
     def __init__(self, draft: LoadedModel, target_vocab: int, max_model_len: int, num_slots: int = 1) -> None:
         self.model = draft.model
@@ -58,9 +63,27 @@ class DraftModelDrafter:
         for it, or k = 0 whenever it runs, as in a large batch) never pays the draft's prefill."""
         self.cache.reset(seq.slot)
 
+    def catch_up(self, seq: Sequence) -> None:
+        """Read what the draft has not seen, except the last committed token, in the passes the
+        target used: the prompt in one (its prefill), generated tokens in passes short enough to
+        stay on the decode path (their rows equal one-token steps bitwise). So the draft's cache
+        matches what reading the tokens one round at a time would have built; drafting with the
+        target itself then reproduces the target exactly."""
+        ids, slot = seq.token_ids, seq.slot
+        start, stop = self.cache.length(slot), len(ids) - 1
+        if stop - start <= 1:
+            return  # a usual round: its first forward feeds the (at most two) new tokens together
+        bounds = [len(seq.prompt_ids)] if start < len(seq.prompt_ids) < stop else []
+        bounds += list(range(max(start, len(seq.prompt_ids)) + DECODE_CHUNK, stop, DECODE_CHUNK)) + [stop]
+        for end in bounds:
+            if end > start:
+                self._forward(slot, ids[start:end])
+                start = end
+
     def propose(self, seq: Sequence, k: int) -> Proposal:
+        self.catch_up(seq)
         ids = seq.token_ids
-        feed = ids[self.cache.length(seq.slot):]  # >= 1 token: at least the last committed one
+        feed = ids[self.cache.length(seq.slot):]  # the last committed token (and a bonus one)
         p = seq.params
         tokens: list[int] = []
         probs: list[torch.Tensor] = []

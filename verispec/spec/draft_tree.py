@@ -75,6 +75,7 @@ class TreeDraftModelDrafter(DraftModelDrafter):
         self.static = Tree.from_choices(choices) if choices is not None else None
 
     def propose(self, seq: Sequence, k: int) -> Proposal:
+        self.catch_up(seq)
         ids = seq.token_ids
         root_logits = self._forward(seq.slot, ids[self.cache.length(seq.slot):])  # [V]
         start = self.cache.length(seq.slot)  # == len(ids): the root's K/V is cached
