@@ -19,8 +19,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared/data/spec_bench/question.jsonl"
 
 
-def select_questions(path: Path, n: int) -> list[dict]:
-    """First ceil(n/2) coding questions, then floor(n/2) alternating summarization / rag."""
+def _by_category(path: Path) -> dict[str, list[dict]]:
+    """The question file's questions per category, in file order."""
     try:
         rows = read_jsonl(path.read_text(encoding="utf-8"), str(path))
     except ValueError as exc:
@@ -28,6 +28,12 @@ def select_questions(path: Path, n: int) -> list[dict]:
     by_cat: dict[str, list[dict]] = {}
     for q in rows:
         by_cat.setdefault(q["category"], []).append(q)
+    return by_cat
+
+
+def select_questions(path: Path, n: int) -> list[dict]:
+    """First ceil(n/2) coding questions, then floor(n/2) alternating summarization / rag."""
+    by_cat = _by_category(path)
     n_coding, n_other = (n + 1) // 2, n // 2
     coding = by_cat.get("coding", [])[:n_coding]
     summ, rag = by_cat.get("summarization", []), by_cat.get("rag", [])
@@ -51,14 +57,7 @@ LONG_PROMPT_CATEGORIES = ("summarization", "rag")  # 700-2,000-token documents
 def chat_questions(path: Path, n: int) -> list[dict]:
     """``n`` short chat questions: one from each category in turn (Spec-Bench file order),
     skipping the long-document categories, so any prefix mixes the task kinds evenly."""
-    try:
-        rows = read_jsonl(path.read_text(encoding="utf-8"), str(path))
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
-    by_cat: dict[str, list[dict]] = {}
-    for q in rows:
-        if q["category"] not in LONG_PROMPT_CATEGORIES:
-            by_cat.setdefault(q["category"], []).append(q)
+    by_cat = {c: qs for c, qs in _by_category(path).items() if c not in LONG_PROMPT_CATEGORIES}
     picked: list[dict] = []
     for i in range(n):
         for questions in by_cat.values():

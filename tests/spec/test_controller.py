@@ -28,7 +28,7 @@ class Request:
     """Stands in for an engine sequence (the controller keys per-request state on it)."""
 
     def __init__(self, prompt_tokens: int = 50) -> None:
-        self.token_ids = [0] * prompt_tokens
+        self.num_tokens = prompt_tokens
         self.drafter_seen = 0  # tokens the simulated drafter has read
 
 
@@ -41,10 +41,10 @@ def simulate_round(controller, seq, k_max, p, alpha, c, rng, catch_up_s=0.0):
         accepted += 1
     draft_s = 0.0
     if k:
-        draft_s = k * c * T1 + catch_up_s * (len(seq.token_ids) - seq.drafter_seen)
-        seq.drafter_seen = len(seq.token_ids) + accepted + 1
+        draft_s = k * c * T1 + catch_up_s * (seq.num_tokens - seq.drafter_seen)
+        seq.drafter_seen = seq.num_tokens + accepted + 1
     verify_s = T1 * (1 + alpha * k)
-    seq.token_ids += [0] * (accepted + 1)
+    seq.num_tokens += accepted + 1
     controller.observe(seq, RoundReport(k, accepted, accepted + 1, draft_s, verify_s))
     return k, draft_s + verify_s, accepted + 1
 

@@ -276,7 +276,7 @@ class AdaptiveController:
 
     def choose_k(self, seq: Seq, k_max: int) -> int:
         req = self._request(seq)
-        req.missed = len(seq.token_ids) - req.seen
+        req.missed = seq.num_tokens - req.seen
         if k_max <= 0:
             return 0
         costs = self.costs.relative(k_max)
@@ -299,7 +299,7 @@ class AdaptiveController:
         elif n > 0:
             self.costs.observe_catch_up(req.missed, n, report.draft_s)
         if n > 0:
-            req.seen = len(seq.token_ids)
+            req.seen = seq.num_tokens
         req.drafted_last = n > 0
         tested = min(a + 1, n)  # drafts 1..a were accepted, draft a+1 (if proposed) rejected
         req.depth = max(req.depth, tested)

@@ -69,10 +69,11 @@ class DraftModelDrafter:
         stay on the decode path (their rows equal one-token steps bitwise). So the draft's cache
         matches what reading the tokens one round at a time would have built; drafting with the
         target itself then reproduces the target exactly."""
-        ids, slot = seq.token_ids, seq.slot
-        start, stop = self.cache.length(slot), len(ids) - 1
+        slot = seq.slot
+        start, stop = self.cache.length(slot), seq.num_tokens - 1
         if stop - start <= 1:
             return  # a usual round: its first forward feeds the (at most two) new tokens together
+        ids = seq.token_ids
         bounds = [len(seq.prompt_ids)] if start < len(seq.prompt_ids) < stop else []
         bounds += list(range(max(start, len(seq.prompt_ids)) + DECODE_CHUNK, stop, DECODE_CHUNK)) + [stop]
         for end in bounds:
