@@ -159,9 +159,10 @@ def run_and_report(target: Any, fmt: PromptFormat, specs: list[MethodSpec], work
         log(f"building {spec.label} ...")
         runners[spec.label] = builder.build(spec)
     result = run_bench(runners, workload.questions, fmt, settings, done=done)
+    load_end = os.getloadavg()[0]
     segment.update(blocks=len({(r.question_id, r.repeat) for r in result.runs[len(done):]}),
-                   wall_s=result.wall_s, loadavg_end=os.getloadavg()[0])
-    meta = {**meta, "machine": {**meta["machine"], "loadavg_end": os.getloadavg()[0]},
+                   wall_s=result.wall_s, loadavg_end=load_end)
+    meta = {**meta, "machine": {**meta["machine"], "loadavg_end": load_end},
             "segments": [*(previous or {}).get("segments", []), segment]}
     if previous is not None:
         result.wall_s += previous["wall_s"]
