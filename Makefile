@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring.
 
-.PHONY: setup demo test test-long test-fast bench-decode bench-spec clean
+.PHONY: setup demo test test-long test-fast bench-decode bench-spec bench-report bench-adaptive clean
 
 setup: $(VENV)/.installed
 
@@ -46,6 +46,30 @@ bench-decode: setup
 
 bench-spec: setup
 	$(PY) benchmarks/bench_spec.py
+
+# The two long reports under docs/benchmarks/ (hours each on a 2-core CPU). Ctrl-C writes a
+# partial report; `make bench-report RESUME=--resume` (or bench-adaptive) continues it, running
+# only the question blocks it lacks.
+TARGET := qwen2.5-coder-1.5b-instruct
+DRAFT := draft_model:qwen2.5-coder-0.5b-instruct
+REPORT_METHODS := plain,ngram@k=4,suffix@k=8,lookahead@k=3,$(DRAFT)@k=4,quantization=int4,\
+$(DRAFT)@k=5,draft_topk=2,num_draft_tokens=6,quantization=int4,hf:plain,hf:assisted:qwen2.5-coder-0.5b-instruct,\
+hf:prompt_lookup,llamacpp:plain,llamacpp:prompt_lookup
+ADAPTIVE_METHODS := plain,ngram@k=8,\
+ngram@k=1,adaptive=false,ngram@k=2,adaptive=false,ngram@k=4,adaptive=false,ngram@k=6,adaptive=false,\
+ngram@k=8,adaptive=false,$(DRAFT)@k=8,quantization=int4,$(DRAFT)@k=1,adaptive=false,quantization=int4,\
+$(DRAFT)@k=2,adaptive=false,quantization=int4,$(DRAFT)@k=4,adaptive=false,quantization=int4,\
+$(DRAFT)@k=6,adaptive=false,quantization=int4,$(DRAFT)@k=8,adaptive=false,quantization=int4
+ALL_CATEGORIES := writing,roleplay,reasoning,math,coding,extraction,stem,humanities,translation,summarization,qa,math_reasoning,rag
+
+bench-report: setup
+	$(VENV)/bin/verispec bench --model $(TARGET) --quantization int4 --threads 2 --num-questions 3 \
+		--max-tokens 128 --out docs/benchmarks/spec-bench --no-progress --methods "$(REPORT_METHODS)" $(RESUME)
+
+bench-adaptive: setup
+	$(VENV)/bin/verispec bench --model $(TARGET) --quantization int4 --threads 2 --categories $(ALL_CATEGORIES) \
+		--num-questions 3 --max-tokens 128 --max-turns 1 --out docs/benchmarks/adaptive --no-progress \
+		--methods "$(ADAPTIVE_METHODS)" $(RESUME)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,6 +1,6 @@
 """Helpers the per-issue benchmark scripts share: Spec-Bench question selection and one timed run.
 
-``verispec bench`` is the general harness; these scripts (bench_adaptive, bench_suffix, bench_tree,
+``verispec bench`` is the general harness; these scripts (bench_suffix, bench_tree,
 bench_server) use these few pieces for their own side-by-side tables.
 """
 

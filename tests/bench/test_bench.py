@@ -73,19 +73,19 @@ class CorruptingDrafter:
         pass
 
 
-def make_runner(out_root: Path):
+def make_runner(out_root: Path, methods: str = METHODS, max_turns: int | None = None):
     """A function that runs the harness on the tiny models and returns the report."""
     target_model = tiny_model(VOCAB, seed=0)
     draft_model = tiny_model(VOCAB, seed=1, noise_from=target_model, noise=0.05)
     qfile = out_root / "questions.jsonl"
     qfile.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
-    workload = load_workload(str(qfile), None, 1)
+    workload = load_workload(str(qfile), None, 1, max_turns)
     meta = {"command": "test", "model": "tiny", "dtype": "bfloat16",
             "machine": {"date": "now", "cpu": "cpu", "cpu_count": 1, "torch_threads": 1, "torch": "t",
                         "transformers": "t", "loadavg_start": 0.0}}
 
     def run(out: Path, settings: Settings, previous: dict | None = None) -> dict:
-        specs = bench_methods.parse_methods(METHODS)
+        specs = bench_methods.parse_methods(methods)
         return run_and_report(loaded(target_model), ToyFormat(), specs, workload, settings, out,
                               lambda name, quantization: loaded(draft_model, name=name), meta,
                               previous=previous)
@@ -245,6 +245,31 @@ def test_sampling_runs_report_no_identity_check(tmp_path, capsys):
     assert all(r["output_tokens"] == 3 for r in report["runs"])
 
 
+def test_adaptive_is_held_against_the_best_fixed_k_of_its_family(tmp_path, capsys):
+    methods = "plain,ngram@k=3,ngram@k=1,adaptive=false,ngram@k=3,adaptive=false,draft_model:tiny-draft@k=2"
+    report = make_runner(tmp_path, methods, max_turns=1)(tmp_path / "out", Settings(max_tokens=MAX_TOKENS,
+                                                                                    warmup=False, progress=False))
+    assert report["settings"]["max_turns"] == 1
+    assert {r["turn"] for r in report["runs"]} == {0}  # question 1 has two turns; only the first ran
+    [a] = report["goals"]["adaptive_vs_fixed"]  # draft_model has no fixed-k sibling: no family
+    fixed = ["ngram@k=1,adaptive=false", "ngram@k=3,adaptive=false"]
+    assert (a["family"], a["adaptive"], a["fixed"]) == ("ngram", "ngram@k=3", fixed)
+    results = report["results"]
+    assert set(a["per_category"]) == {"alpha", "beta", "gamma", "overall"}
+    for cat, p in a["per_category"].items():
+        speedups = {f: results[f][cat]["speedup"] for f in fixed}
+        assert p["best_fixed"] == max(speedups, key=speedups.get)
+        assert p["adaptive"] == results["ngram@k=3"][cat]["speedup"]
+        assert p["vs_best"] == pytest.approx(p["adaptive"] / speedups[p["best_fixed"]])
+    cats = ["alpha", "beta", "gamma"]
+    assert a["within_best"]["met"] == all(a["per_category"][c]["vs_best"] >= 0.95 for c in cats)
+    assert a["over_best_overall"]["met"] == (a["per_category"]["overall"]["vs_best"] >= 1.05)
+    assert a["vs_plain"]["lowest"] == min(results["ngram@k=3"][c]["speedup"] for c in cats)
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Adaptive against fixed k: ngram" in md and "first 1 turn(s) of each question" in md
+    assert "- ngram@k=3: within 5% of the best fixed k in every category" in md
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -252,6 +277,7 @@ def test_sampling_runs_report_no_identity_check(tmp_path, capsys):
         (["--questions", "no/such/file.jsonl"], "question file not found"),
         (["--repeats", "0"], "--repeats must be at least 1"),
         (["--max-tokens", "0"], "max_tokens must be a positive integer"),
+        (["--max-turns", "0"], "--max-turns must be at least 1"),
     ],
 )
 def test_bad_bench_input_fails_before_loading_the_model(capsys, argv, message):

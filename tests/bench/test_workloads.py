@@ -32,6 +32,16 @@ def test_mt_bench_takes_its_categories_round_robin(tmp_path):
     assert {q.category for q in w.questions[:3]} == {"mt_bench"}
 
 
+def test_max_turns_keeps_each_questions_first_turns(tmp_path):
+    rows = [{"question_id": 1, "category": "a", "turns": ["one", "two", "three"]},
+            {"question_id": 2, "category": "b", "turns": ["only"]}]
+    w = load_workload(write(tmp_path, rows), None, 1, max_turns=2)
+    assert [q.turns for q in w.questions] == [("one", "two"), ("only",)] and w.max_turns == 2
+    assert [q.turns for q in load_workload(write(tmp_path, rows), None, 1).questions][0] == ("one", "two", "three")
+    with pytest.raises(ValueError, match="--max-turns must be at least 1"):
+        load_workload(write(tmp_path, rows), None, 1, max_turns=0)
+
+
 def test_unknown_category_lists_what_the_file_has(tmp_path):
     with pytest.raises(ValueError, match="no category 'nope'; it has: a, b"):
         load_workload(write(tmp_path, rows_for(["a", "b"])), ["nope"], 1)

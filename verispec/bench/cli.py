@@ -61,6 +61,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--categories", default=None, help="comma-separated categories (default: see below)")
     b.add_argument("--num-questions", type=int, default=1, help="questions per category (default: %(default)s)")
     b.add_argument("--max-tokens", type=int, default=128, help="most tokens per turn (default: %(default)s)")
+    b.add_argument("--max-turns", type=int, default=None,
+                   help="run only the first N turns of each question (default: all, as Spec-Bench does)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, checked for identity (default: 0)")
     b.add_argument("--repeats", type=int, default=1, help="runs of every question per method (default: %(default)s)")
     b.add_argument("--seed", type=int, default=0, help="base seed for T > 0 (default: %(default)s)")
@@ -100,7 +102,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = Settings(max_tokens=args.max_tokens, temperature=args.temperature, repeats=args.repeats,
                         seed=args.seed, warmup=not args.no_warmup, progress=not args.no_progress)
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
-    workload = load_workload(args.questions, categories, args.num_questions)
+    workload = load_workload(args.questions, categories, args.num_questions, args.max_turns)
     previous = None
     if args.resume:
         previous = load_report(args.out / "report.json")

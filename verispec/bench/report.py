@@ -19,8 +19,11 @@ Figures per method, per category and ``overall`` (all runs of every turn and rep
   near tie in the logits; the report shows that, it does not hide it.
 * ``tok_s_by_repeat`` -- overall tok/s of each repeat, so drift over the run is visible.
 
-Goals (the issue's): verispec's best speculative method >= 2x the best ``hf:assisted`` tok/s,
-verispec plain >= 1.5x ``hf:plain``, and every verispec answer at T = 0 identical to plain.
+Goals: verispec's best speculative method >= 2x the best ``hf:assisted`` tok/s, verispec plain
+>= 1.5x ``hf:plain``, and every verispec answer at T = 0 identical to plain. When the methods
+hold a drafter both adaptive (the default) and with fixed k (``adaptive=false``), otherwise
+alike, each adaptive variant is also held to the controller's goals: within 5% of the best fixed
+k in every category, at least 5% above it overall, and never below 0.97x plain in a category.
 """
 
 from __future__ import annotations
@@ -33,11 +36,16 @@ from typing import Any
 from verispec.bench.methods import PLAIN, MethodSpec, TurnResult
 from verispec.bench.runner import BenchResult, Run, Settings
 from verispec.bench.workloads import Workload
+from verispec.config import SpeculativeConfig
 from verispec.spec.metrics import SpecMetrics
 
 OVERALL = "overall"
 GOAL_VS_HF_ASSISTED = 2.0
 GOAL_PLAIN_VS_HF_PLAIN = 1.5
+GOAL_ADAPTIVE_WITHIN_BEST = 0.95  # adaptive >= 95% of the best fixed k in every category
+GOAL_ADAPTIVE_OVER_BEST = 1.05  # ... and >= 105% of the best fixed k overall
+GOAL_ADAPTIVE_VS_PLAIN = 0.97  # ... and >= 97% of plain in every category
+STEERING_OPTIONS = ("k", "num_speculative_tokens", "adaptive")  # what may differ within a family
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -133,15 +141,60 @@ def goals(results: dict, specs: list[MethodSpec], greedy: bool) -> dict:
         "verispec_plain_vs_hf_plain": goal(plain, hf_plain, GOAL_PLAIN_VS_HF_PLAIN),
         "verispec_t0_identical": {"identical": same, "compared": compared,
                                   "met": (same == compared) if greedy and compared else None},
+        "adaptive_vs_fixed": adaptive_goals(results, specs),
     }
+
+
+def adaptive_families(specs: list[MethodSpec]) -> dict[str, tuple[list[str], list[str]]]:
+    """verispec drafters run both adaptive and with a fixed k, all else alike:
+    family label (the method without k / adaptive) -> (adaptive labels, fixed-k labels)."""
+    families: dict[str, tuple[list[str], list[str]]] = {}
+    for s in specs:
+        if s.backend != "verispec" or s.is_plain:
+            continue
+        rest = {k: v for k, v in s.options.items() if k not in STEERING_OPTIONS}
+        family = MethodSpec(s.backend, s.name, s.arg, rest).label
+        adaptive = s.options.get("adaptive", SpeculativeConfig.adaptive)
+        families.setdefault(family, ([], []))[0 if adaptive else 1].append(s.label)
+    return {f: members for f, members in families.items() if all(members)}
+
+
+def adaptive_goals(results: dict, specs: list[MethodSpec]) -> list[dict]:
+    """Each adaptive method against the best of its family's fixed k, per category (end to end
+    speedups over plain, the same runs)."""
+    out = []
+    for family, (adaptive, fixed) in adaptive_families(specs).items():
+        for label in adaptive:
+            per_cat = {}
+            for cat, fig in results[label].items():
+                best = max(fixed, key=lambda f: results[f].get(cat, {}).get("speedup") or 0.0)
+                best_speedup = results[best].get(cat, {}).get("speedup")
+                per_cat[cat] = {"adaptive": fig["speedup"], "best_fixed": best, "best_fixed_speedup": best_speedup,
+                                "vs_best": _ratio(fig["speedup"], best_speedup)}
+            if not per_cat:
+                continue
+            cats = [c for c in per_cat if c != OVERALL]
+            lowest = min((per_cat[c]["adaptive"] or 0.0 for c in cats), default=None)
+            overall = per_cat.get(OVERALL, {}).get("vs_best")
+            out.append({
+                "family": family, "adaptive": label, "fixed": fixed, "per_category": per_cat,
+                "within_best": {"goal": GOAL_ADAPTIVE_WITHIN_BEST,
+                                "met": all((per_cat[c]["vs_best"] or 0.0) >= GOAL_ADAPTIVE_WITHIN_BEST for c in cats)},
+                "over_best_overall": {"ratio": overall, "goal": GOAL_ADAPTIVE_OVER_BEST,
+                                      "met": None if overall is None else overall >= GOAL_ADAPTIVE_OVER_BEST},
+                "vs_plain": {"lowest": lowest, "goal": GOAL_ADAPTIVE_VS_PLAIN,
+                             "met": None if lowest is None else lowest >= GOAL_ADAPTIVE_VS_PLAIN},
+            })
+    return out
 
 
 def report_header(specs: list[MethodSpec], workload: Workload, settings: Settings) -> dict:
     """What was asked for: settings, questions and methods (also what ``--resume`` checks)."""
     categories = list(dict.fromkeys(q.category for q in workload.questions))
+    cut = {} if workload.max_turns is None else {"max_turns": workload.max_turns}  # absent when unset
     return {
         "settings": {"max_tokens": settings.max_tokens, "temperature": settings.temperature,
-                     "repeats": settings.repeats, "seed": settings.seed, "warmup": settings.warmup},
+                     "repeats": settings.repeats, "seed": settings.seed, "warmup": settings.warmup, **cut},
         "workload": {"name": workload.name, "source": workload.source, "categories": categories,
                      "questions": [{"question_id": q.question_id, "category": q.category, "turns": len(q.turns)}
                                    for q in workload.questions]},
@@ -220,7 +273,9 @@ def render_markdown(report: dict) -> str:
         f"- model: {report['model']} ({report['dtype']}"
         + (f", {report['quantization']} weights" if report.get("quantization", "none") != "none" else "")
         + f"); T = {s['temperature']:g}; up to {s['max_tokens']} tokens "
-        f"per turn; {s['repeats']} repeat(s); workload {w['name']}: "
+        f"per turn; {s['repeats']} repeat(s); "
+        + (f"first {s['max_turns']} turn(s) of each question; " if s.get("max_turns") else "")
+        + f"workload {w['name']}: "
         + ", ".join(f"{c} {sum(1 for q in w['questions'] if q['category'] == c)}" for c in w["categories"])
         + f" questions; wall time {report['wall_s'] / 60:.1f} min"
         + (f" in {len(report['segments'])} sittings (resumed with --resume; each question block ran whole, "
@@ -255,6 +310,13 @@ def render_markdown(report: dict) -> str:
         lines += ["", "transformers and llama.cpp compute with other kernels than verispec, so at T = 0 their "
                   "answers may part from verispec plain's after a near tie in the logits; the identity column "
                   "reports it as measured."]
+    for a in report["goals"].get("adaptive_vs_fixed", []):
+        lines += ["", f"## Adaptive against fixed k: {a['family']}", "",
+                  f"{a['adaptive']} against the best of {', '.join(a['fixed'])} in each category (end to end "
+                  "speedups over plain).", "",
+                  "| category | adaptive | best fixed | its speedup | adaptive / best fixed |", "|---|---:|---|---:|---:|"]
+        lines += [f"| {c} | {_f(p['adaptive'])}x | {p['best_fixed']} | {_f(p['best_fixed_speedup'])}x | "
+                  f"{_f(p['vs_best'])} |" for c, p in a["per_category"].items()]
     lines += ["", "## Goals", ""] + _goal_lines(report["goals"])
     drift = [f"{label} " + " / ".join(_f(v) for v in by_cat[OVERALL]["tok_s_by_repeat"])
              for label, by_cat in report["results"].items() if OVERALL in by_cat]
@@ -273,6 +335,13 @@ def _goal_lines(g: dict) -> list[str]:
         f"(goal >= {a['goal']}x: {status(a['met'])})",
         f"- verispec plain vs hf:plain: {_f(p['ratio'])}x (goal >= {p['goal']}x: {status(p['met'])})",
         f"- verispec answers identical to plain at T = 0: {t['identical']}/{t['compared']} ({status(t['met'])})",
+    ] + [
+        f"- {a['adaptive']}: within {1 - a['within_best']['goal']:.0%} of the best fixed k in every category "
+        f"({status(a['within_best']['met'])}); overall {_f(a['over_best_overall']['ratio'])}x the best fixed k "
+        f"(goal >= {a['over_best_overall']['goal']}x: {status(a['over_best_overall']['met'])}); lowest "
+        f"{_f(a['vs_plain']['lowest'])}x plain in a category (goal >= {a['vs_plain']['goal']}x: "
+        f"{status(a['vs_plain']['met'])})"
+        for a in g.get("adaptive_vs_fixed", [])
     ]
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,12 +52,17 @@ class Workload:
     name: str  # "spec-bench", "code-edit" or the file path
     source: str  # the file actually read
     questions: tuple[Question, ...]
+    max_turns: int | None = None  # turns kept per question (None: all, as Spec-Bench runs them)
 
 
-def load_workload(spec: str, categories: Sequence[str] | None, num_questions: int) -> Workload:
-    """Resolve ``spec``, read its questions and pick ``num_questions`` per category."""
+def load_workload(spec: str, categories: Sequence[str] | None, num_questions: int,
+                  max_turns: int | None = None) -> Workload:
+    """Resolve ``spec``, read its questions and pick ``num_questions`` per category, each cut to
+    its first ``max_turns`` turns when given."""
     if num_questions < 1:
         raise ValueError(f"--num-questions must be at least 1, got {num_questions}")
+    if max_turns is not None and max_turns < 1:
+        raise ValueError(f"--max-turns must be at least 1, got {max_turns}")
     default: Sequence[str] | None = None
     if spec == "code-edit":
         source = "verispec.bench/data/code_edit.jsonl"
@@ -74,7 +79,10 @@ def load_workload(spec: str, categories: Sequence[str] | None, num_questions: in
         source, text = str(path), path.read_text(encoding="utf-8")
     rows = read_jsonl(text, source)
     wanted = list(categories or default or dict.fromkeys(r["category"] for r in rows))
-    return Workload(spec, source, tuple(select(rows, wanted, num_questions, source)))
+    questions = select(rows, wanted, num_questions, source)
+    if max_turns is not None:
+        questions = [replace(q, turns=q.turns[:max_turns]) for q in questions]
+    return Workload(spec, source, tuple(questions), max_turns)
 
 
 def spec_bench_path() -> Path:
