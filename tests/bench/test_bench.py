@@ -188,14 +188,15 @@ def test_ctrl_c_writes_a_partial_report(tmp_path, monkeypatch, capsys):
     assert (out / "speedup.png").is_file() and (out / "acceptance.png").is_file()
 
 
-def test_resume_runs_only_the_missing_blocks_and_keeps_the_earlier_ones(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError], ids=["ctrl-c", "killed"])
+def test_resume_runs_only_the_missing_blocks_and_keeps_the_earlier_ones(tmp_path, monkeypatch, capsys, stop):
     real = bench_methods.EngineRunner.generate
     calls = []
 
     def counted(self, prompt_ids, params):
         calls.append(1)
         if interrupt and len(calls) == 10:  # block 1 (4 methods x 2 turns), then mid-block 2
-            raise KeyboardInterrupt
+            raise stop
         return real(self, prompt_ids, params)
 
     monkeypatch.setattr(bench_methods.EngineRunner, "generate", counted)
@@ -203,7 +204,13 @@ def test_resume_runs_only_the_missing_blocks_and_keeps_the_earlier_ones(tmp_path
     run = make_runner(tmp_path)
     interrupt = True
     with corrupt_registered():
-        first = run(out, settings)
+        if stop is KeyboardInterrupt:
+            first = json.loads(json.dumps(run(out, settings)))
+        else:  # killed mid-block: no final report, only the checkpoint saved after block 1
+            with pytest.raises(RuntimeError):
+                run(out, settings)
+            assert not list(out.glob("*.tmp"))
+            first = load_report(out / "report.json")
     assert first["partial"] and first["blocks_done"] == 1
 
     previous = load_report(out / "report.json")
@@ -212,7 +219,7 @@ def test_resume_runs_only_the_missing_blocks_and_keeps_the_earlier_ones(tmp_path
         report = run(out, settings, previous=previous)
     assert len(calls) == 8  # blocks 2 and 3: one turn each, 4 methods; block 1 not run again
     assert report["partial"] is False and report["blocks_done"] == 3
-    assert report["runs"][:8] == first["runs"]  # the earlier block's runs, unchanged
+    assert json.loads(json.dumps(report["runs"][:8])) == first["runs"]  # the earlier block's runs, unchanged
     assert {r["question_id"] for r in report["runs"]} == {"1", "3", "4"}
     assert set(report["results"]["plain"]) == {"alpha", "beta", "gamma", "overall"}
     assert len(report["segments"]) == 2 and report["wall_s"] > first["wall_s"]

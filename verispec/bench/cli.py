@@ -147,7 +147,7 @@ def run_and_report(target: Any, fmt: PromptFormat, specs: list[MethodSpec], work
     from verispec.bench.report import (
         build_report, render_markdown, report_header, resume_runs, summary_json, write_report,
     )
-    from verispec.bench.runner import max_model_len, run_bench
+    from verispec.bench.runner import BenchResult, max_model_len, run_bench
 
     done = []
     segment = {"loadavg_start": meta["machine"].get("loadavg_start")}
@@ -160,15 +160,25 @@ def run_and_report(target: Any, fmt: PromptFormat, specs: list[MethodSpec], work
     for spec in specs:
         log(f"building {spec.label} ...")
         runners[spec.label] = builder.build(spec)
-    result = run_bench(runners, workload.questions, fmt, settings, done=done)
-    load_end = os.getloadavg()[0]
-    segment.update(blocks=len({(r.question_id, r.repeat) for r in result.runs[len(done):]}),
-                   wall_s=result.wall_s, loadavg_end=load_end)
-    meta = {**meta, "machine": {**meta["machine"], "loadavg_end": load_end},
-            "segments": [*(previous or {}).get("segments", []), segment]}
-    if previous is not None:
-        result.wall_s += previous["wall_s"]
-    report = build_report(result, specs, workload, settings, meta)
+
+    def make_report(result: BenchResult) -> dict:
+        load_end = os.getloadavg()[0]
+        sitting = {**segment, "blocks": len({(r.question_id, r.repeat) for r in result.runs[len(done):]}),
+                   "wall_s": result.wall_s, "loadavg_end": load_end}
+        so_far = {**meta, "machine": {**meta["machine"], "loadavg_end": load_end},
+                  "segments": [*(previous or {}).get("segments", []), sitting]}
+        total = BenchResult(result.runs, result.partial, result.wall_s + (previous["wall_s"] if previous else 0.0))
+        return build_report(total, specs, workload, settings, so_far)
+
+    def checkpoint(result: BenchResult) -> None:
+        """After every block: the report so far, so that even a killed run can be resumed."""
+        report = make_report(result)
+        write_report(report, out, plots=False)
+        if not settings.progress:  # (the progress bar shows it otherwise)
+            log(f"{report['blocks_done']} of {report['blocks_planned']} question blocks done; "
+                f"report so far in {out}")
+
+    report = make_report(run_bench(runners, workload.questions, fmt, settings, done=done, on_block=checkpoint))
     files = write_report(report, out)
     print(render_markdown(report))
     print(summary_json(report), flush=True)

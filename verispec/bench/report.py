@@ -350,16 +350,22 @@ def summary_json(report: dict) -> str:
     return json.dumps({k: v for k, v in report.items() if k != "runs"})
 
 
-def write_report(report: dict, out: Path) -> list[Path]:
-    from verispec.bench.plots import plot_acceptance, plot_speedup
-
+def write_report(report: dict, out: Path, plots: bool = True) -> list[Path]:
+    """report.json and report.md (each replaced whole, so a run killed while writing leaves the
+    previous one), and the two plots unless ``plots`` is false (a checkpoint)."""
     out.mkdir(parents=True, exist_ok=True)
-    files = [out / "report.json", out / "report.md", out / "speedup.png", out / "acceptance.png"]
-    files[0].write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    files = [out / "report.json", out / "report.md"]
     md = render_markdown(report) + "\n![speedup](speedup.png)\n\n![acceptance by position](acceptance.png)\n"
-    files[1].write_text(md, encoding="utf-8")
-    plot_speedup(report, files[2])
-    plot_acceptance(report, files[3])
+    for path, text in zip(files, (json.dumps(report, indent=1) + "\n", md)):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    if plots:
+        from verispec.bench.plots import plot_acceptance, plot_speedup
+
+        files += [out / "speedup.png", out / "acceptance.png"]
+        plot_speedup(report, files[2])
+        plot_acceptance(report, files[3])
     return files
 
 

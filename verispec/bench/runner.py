@@ -14,7 +14,8 @@ repeat in :mod:`verispec.bench.report`.
 Sampling (T > 0) uses one seed per (question, turn, repeat), the same for every method.
 
 Ctrl-C stops the loop; the (question, repeat) blocks that every method finished are returned
-with ``partial`` set, so a partial report still compares methods on the same questions. A later
+with ``partial`` set, so a partial report still compares methods on the same questions (the
+CLI also saves the report after every block, so a killed run loses only its last block). A later
 run with ``--resume`` reads them back and runs only the blocks still missing, so a benchmark
 longer than one sitting is built block by block; every block is still all methods side by side
 in one process.
@@ -23,7 +24,7 @@ in one process.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -82,11 +83,13 @@ def run_bench(
     fmt: PromptFormat,
     settings: Settings,
     done: Sequence[Run] = (),
+    on_block: Callable[[BenchResult], None] | None = None,
 ) -> BenchResult:
     """Run every runner on every question; ``runners`` maps method label -> runner, plain first.
 
     ``done`` holds the runs of an earlier, interrupted run of the same benchmark (``--resume``):
-    their (question, repeat) blocks are kept as they are and not run again.
+    their (question, repeat) blocks are kept as they are and not run again. ``on_block`` is
+    called with the (partial) result after every finished block, e.g. to save a checkpoint.
     """
     labels = list(runners)
     runs: list[Run] = list(done)
@@ -114,6 +117,8 @@ def run_bench(
                     bar.set_postfix_str(f"{q.category} q{q.question_id} {label}")
                     block += _run_question(runners[label], label, q, qi, repeat, order, fmt, settings, bar)
                 runs += block  # only whole blocks: every method on the same questions
+                if on_block is not None:
+                    on_block(BenchResult(list(runs), True, time.perf_counter() - t0))
         partial = False
     except KeyboardInterrupt:
         pass
