@@ -27,8 +27,9 @@ T1 = 0.3  # seconds per plain step
 class Request:
     """Stands in for an engine sequence (the controller keys per-request state on it)."""
 
-    def __init__(self, prompt_tokens: int = 50) -> None:
+    def __init__(self, prompt_tokens: int = 50, tokens_left: int = 10**6) -> None:
         self.num_tokens = prompt_tokens
+        self.tokens_left = tokens_left  # what max_tokens still allows
         self.drafter_seen = 0  # tokens the simulated drafter has read
 
 
@@ -45,6 +46,7 @@ def simulate_round(controller, seq, k_max, p, alpha, c, rng, catch_up_s=0.0):
         seq.drafter_seen = seq.num_tokens + accepted + 1
     verify_s = T1 * (1 + alpha * k)
     seq.num_tokens += accepted + 1
+    seq.tokens_left = max(seq.tokens_left - accepted - 1, 0)
     controller.observe(seq, RoundReport(k, accepted, accepted + 1, draft_s, verify_s))
     return k, draft_s + verify_s, accepted + 1
 
@@ -197,6 +199,21 @@ def test_a_new_request_does_not_probe_with_a_draft_prefill_it_has_not_earned():
     print(f"ks {ks(new)[:12]}, slowdown {slowdown(new):.3f}")
     assert ks(new) == [0] * 40
     assert slowdown(new) == pytest.approx(1.0)
+
+
+def test_a_draft_model_reads_a_long_prompt_only_when_the_answer_can_repay_it():
+    """Speculation pays (~2x predicted), but catching a draft model up on a 1,000-token prompt
+    costs 100 plain steps: worth it for 2,000 tokens to come, not for 100 (saving ~50 steps)."""
+    controller = AdaptiveController()
+    run_phase(controller, Request(), 200, 0.9, alpha=0.2, c=0.05, catch_up_s=0.1 * T1)
+    first = {}
+    for prompt, left in ((1000, 100), (20, 100), (1000, 2000)):
+        rounds = run_phase(controller, Request(prompt_tokens=prompt, tokens_left=left), 20, 0.9, alpha=0.2, c=0.05,
+                           catch_up_s=0.1 * T1)
+        first[prompt, left] = ks(rounds)
+        print(f"prompt {prompt}, {left} tokens left: ks {ks(rounds)[:6]}, slowdown {slowdown(rounds):.3f}")
+    assert first[1000, 100] == [0] * 20
+    assert first[20, 100][0] > 0 and first[1000, 2000][0] > 0
 
 
 def test_new_requests_start_from_the_engine_wide_prior():

@@ -43,6 +43,11 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def tokens_left(self) -> int:
+        """Tokens ``max_tokens`` still allows (an upper bound: EOS or a stop string may come first)."""
+        return max(self.params.max_tokens - len(self.output_ids), 0)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -48,7 +48,10 @@ not negative and covers the probe's known catch-up cost: a draft model must firs
 token it has not seen (the prompt of a new request, whatever plain rounds committed), and the
 cost model learns that time per token from the first drafting rounds after idling (prompt
 lookup's is ~0). The round that showed speculation stopped paying has already charged its loss,
-so the first probe waits for it to be earned back. Probing thus costs about that fraction of
+so the first probe waits for it to be earned back. Nor does a predicted gain start drafting by
+itself when the catch-up costs more than that gain can save over the tokens the request has
+left (``max_tokens`` minus those generated): a draft model does not read a 1,000-token document
+to speed up a 100-token answer by 10%. Probing thus costs about that fraction of
 the plain-round time however expensive it is: a failed prompt-lookup probe (~alpha lost) waits
 ~alpha / 0.03 rounds, while a draft model waits in proportion to its catch-up, and a new request
 whose prior says speculation does not pay never pays a draft model's prompt prefill for a probe
@@ -284,10 +287,10 @@ class AdaptiveController:
             return 0  # a plain round measures T_target(1) first
         gains = speedups(self._estimates(req, k_max), *costs)
         best = max(range(1, min(k_max, req.depth + self.ramp) + 1), key=gains.__getitem__)
-        if gains[best] > gains[0] * (1 + self.margin):
+        catch_up = 0.0 if req.drafted_last else self.costs.catch_up_time(req.missed)
+        if gains[best] > gains[0] * (1 + self.margin) and catch_up <= self._saving(seq, gains[best]):
             return best
         # A probe: only once the budget covers what catching the drafter up is known to cost.
-        catch_up = 0.0 if req.drafted_last else self.costs.catch_up_time(req.missed)
         return best if req.balance >= catch_up else 0
 
     def observe(self, seq: Seq, report: RoundReport) -> None:
@@ -328,6 +331,11 @@ class AdaptiveController:
         if req is None:
             req = self._requests[seq] = _Request(acceptance=list(self.prior))
         return req
+
+    def _saving(self, seq: Seq, gain: float) -> float:
+        """Seconds that speculating at a predicted ``gain`` would save over the rest of the
+        request (at most ``tokens_left`` tokens): a drafter's catch-up must be worth paying."""
+        return seq.tokens_left * self.costs.target_s[1] * (1.0 - 1.0 / gain)
 
     def _estimates(self, req: _Request, k: int) -> list[float]:
         """The request's own rates where it has some, the engine-wide prior beyond, and the
