@@ -216,6 +216,57 @@ def test_a_draft_model_reads_a_long_prompt_only_when_the_answer_can_repay_it():
     assert first[20, 100][0] > 0 and first[1000, 2000][0] > 0
 
 
+def run_requests(controller, p, n, prompt=100, tokens=128, seed=0, **world):
+    """``n`` requests of ``tokens`` tokens each; returns every round of all of them."""
+    rng, rounds = random.Random(seed), []
+    for _ in range(n):
+        seq = Request(prompt_tokens=prompt, tokens_left=tokens)
+        while seq.tokens_left > 0:
+            rounds.append(simulate_round(controller, seq, min(8, seq.tokens_left - 1), p, rng=rng, **world))
+    return rounds
+
+
+def test_the_engine_pool_lets_a_draft_model_back_after_unpredictable_requests():
+    """After requests where a draft model does not pay, the prior says "stay plain", and a new
+    request's own budget never covers reading its prompt. The engine-wide pool funds one first
+    probe once it holds that cost, so predictable requests get speculation back; without the
+    pool (first_probe = 0) they never do."""
+    world = {"alpha": 0.3, "c": 0.2, "catch_up_s": 0.05 * T1}
+    drafted = {}
+    for first_probe in (0.1, 0.0):
+        controller = AdaptiveController(first_probe=first_probe)
+        run_requests(controller, 0.3, 4, **world)
+        later = run_requests(controller, 0.9, 6, seed=1, **world)
+        drafted[first_probe] = (sum(k > 0 for k in ks(later)) / len(later), slowdown(later))
+        print(f"first_probe {first_probe}: drafting rounds {drafted[first_probe][0]:.0%}, "
+              f"slowdown {drafted[first_probe][1]:.3f}")
+    assert drafted[0.0][0] == 0
+    assert drafted[0.1][0] > 0.5 and drafted[0.1][1] < 0.85
+
+
+def test_the_pool_does_not_fund_a_probe_that_costs_a_large_share_of_the_request():
+    controller = AdaptiveController()
+    world = {"alpha": 0.3, "c": 0.2, "catch_up_s": 0.05 * T1}
+    run_requests(controller, 0.3, 4, **world)
+    controller.pool = 100 * T1  # as after a long run of plain rounds: far more than one catch-up
+    long = run_requests(controller, 0.9, 1, prompt=400, tokens=128, **world)  # 20 T1 > 10% of 128 T1
+    assert ks(long) == [0] * len(long)
+    short = run_requests(controller, 0.9, 1, prompt=100, tokens=128, **world)  # 5 T1: funded
+    assert any(ks(short))
+
+
+def test_a_drafting_request_is_not_stopped_by_noise_where_speculation_pays():
+    """Prompt lookup where k = 1 gains ~14% (p = 0.6, alpha = 0.4): a noisy estimate dips below
+    break-even now and then; tolerating a predicted 5% loss before stopping keeps the gain."""
+    result = {}
+    for stay in (0.05, 0.0):
+        rounds = run_requests(AdaptiveController(stay=stay), 0.6, 8, alpha=0.4, c=0.0)
+        result[stay] = slowdown(rounds)
+        print(f"stay {stay}: speedup {1 / result[stay]:.3f}")
+    assert 1 / result[0.05] > 1 / result[0.0] + 0.02
+    assert 1 / result[0.05] > 1.05
+
+
 def test_new_requests_start_from_the_engine_wide_prior():
     controller = AdaptiveController()
     run_phase(controller, Request(), 200, 0.0, alpha=0.3)

@@ -27,8 +27,10 @@ measures instead of assuming:
   phase time per number of positions n, a least-squares line through them for the n not seen
   yet, and an EMA of the drafting time per draft token;
 * per-request, per-position acceptance: each request starts from the engine-wide estimate (its
-  prior) and follows its own content with a fast EMA, so it adapts within a few rounds when the
-  text turns from prose to code to copied passages.
+  prior) and follows its own content with an EMA whose first observations weigh most (1/2,
+  1/3, ... down to ``request_weight``, 0.15), so within a few rounds it trusts what it has seen
+  over what other requests taught the prior, and later adapts as the text turns from prose to
+  code to copied passages without being thrown off by one unlucky draft.
 
 Two guards keep a request from paying for estimates it has not checked itself. A new request
 starts from the engine-wide prior, which the previous requests shaped; after a run of easily
@@ -36,7 +38,10 @@ predicted code, that prior says "draft 8" even to a prose request, and with a dr
 such round costs several decode steps. So k may reach at most ``ramp`` (2) positions past the
 deepest one this request has tested (2, 4, 6, ... while every draft survives), and
 speculation must beat plain decoding by a ``margin`` (2%) in prediction, not merely tie with it,
-since at break-even the estimation noise alone makes it lose.
+since at break-even the estimation noise alone makes it lose. Once drafting, it goes on while
+speculation is predicted to lose at most ``stay`` (5%, and under half of one extra verified
+position's cost, so failing drafts always stop it): stopping has a price, the probes it takes to
+come back, and a noisy estimate dipping below break-even should not pay it.
 
 When no k > 0 beats plain decoding the request runs plain rounds, but probes now and then with
 the best k, so speculation returns once the content becomes predictable again. Probes are paid
@@ -54,8 +59,13 @@ left (``max_tokens`` minus those generated): a draft model does not read a 1,000
 to speed up a 100-token answer by 10%. Probing thus costs about that fraction of
 the plain-round time however expensive it is: a failed prompt-lookup probe (~alpha lost) waits
 ~alpha / 0.03 rounds, while a draft model waits in proportion to its catch-up, and a new request
-whose prior says speculation does not pay never pays a draft model's prompt prefill for a probe
-it has not earned. A probe that gains earns credit, so a recovering request probes again at once.
+whose prior says speculation does not pay pays a draft model's prompt prefill for a probe only
+from what the engine has earned: an engine-wide pool, filled by every plain round like the
+request budgets, funds a new request's first probe when it holds the catch-up and the catch-up
+is at most ``first_probe`` (10%) of the plain time the request may still take. Without it a prior
+shaped by unpredictable requests would keep a draft model off for good, since a request's own
+budget grows more slowly than the catch-up it would need. A probe that gains earns credit, so a
+recovering request probes again at once.
 
 Costs are measured with the phases the engine already times: the drafting phase and the verify
 phase (target forward plus verification). The first drafting round after plain rounds also
@@ -235,10 +245,12 @@ class CostModel:
 @dataclass
 class _Request:
     acceptance: list[float]  # [k] per-position conditional acceptance estimates
+    trials: list[int] = field(default_factory=list)  # [k] how often this request tested position k
     drafted_last: bool = False  # the drafter is in sync (it drafted last round)
     balance: float = 0.0  # exploration budget in seconds; a probe is allowed when >= 0
     depth: int = 0  # the deepest draft position this request has tested (accepted, or the first rejected)
     seen: int = 0  # tokens of the request the drafter had read by its last drafting round
+    pool_probe: bool = False  # this round is a probe paid from the engine-wide pool
     missed: int = 0  # tokens the drafter has not read when this round starts
 
 
@@ -247,17 +259,24 @@ class AdaptiveController:
 
     Args:
         prior_acceptance: the starting per-position acceptance of the engine-wide prior.
-        request_weight: EMA weight of one observation in a request's own estimates (fast).
+        request_weight: EMA weight of one observation in a request's own estimates, once it
+            has a few; the first ones weigh more (1/3, 1/4, ...: the prior counts as
+            ``prior_trials`` observations), so a request soon stops trusting a prior that others
+            shaped, and is not thrown off by one unlucky draft later.
+        prior_trials: how many observations of its own the engine-wide prior is worth to a request.
         prior_weight: EMA weight of one observation in the engine-wide prior (slow).
         explore: the fraction of plain-round time that probes may cost (see the module doc).
         ramp: how far past the deepest position a request has tested its k may reach.
         margin: the predicted gain over plain decoding that speculation must beat (a fraction).
+        stay: the predicted loss a drafting request tolerates before it stops (a fraction).
+        first_probe: the largest catch-up, as a fraction of the plain time a new request may
+            still take, that the engine-wide pool pays for its first probe.
         costs: the cost model; a fresh one by default.
     """
 
-    def __init__(self, *, prior_acceptance: float = 0.5, request_weight: float = 0.3,
+    def __init__(self, *, prior_acceptance: float = 0.5, request_weight: float = 0.15, prior_trials: int = 1,
                  prior_weight: float = 0.05, explore: float = 0.03, ramp: int = 2, margin: float = 0.02,
-                 costs: CostModel | None = None) -> None:
+                 stay: float = 0.05, first_probe: float = 0.1, costs: CostModel | None = None) -> None:
         if not 0.0 <= prior_acceptance <= 1.0:
             raise ValueError(f"prior_acceptance must be in [0, 1], got {prior_acceptance}")
         if not (0 < prior_weight <= 1 and 0 < request_weight <= 1):
@@ -268,12 +287,20 @@ class AdaptiveController:
         self.prior: list[float] = []  # engine-wide per-position acceptance, grown on demand
         self.prior_acceptance = prior_acceptance
         self.request_weight, self.prior_weight = request_weight, prior_weight
+        if prior_trials < 0:
+            raise ValueError(f"prior_trials must be >= 0, got {prior_trials}")
+        self.prior_trials = prior_trials
         self.explore = explore
         if ramp < 1:
             raise ValueError(f"ramp must be >= 1, got {ramp}")
         if margin < 0:
             raise ValueError(f"margin must be >= 0, got {margin}")
-        self.ramp, self.margin = ramp, margin
+        if not 0 <= stay < 1:
+            raise ValueError(f"stay must be in [0, 1), got {stay}")
+        if not 0 <= first_probe < 1:
+            raise ValueError(f"first_probe must be in [0, 1), got {first_probe}")
+        self.ramp, self.margin, self.stay, self.first_probe = ramp, margin, stay, first_probe
+        self.pool = 0.0  # engine-wide exploration budget for new requests' first probes (seconds)
         # Per-request state lives as long as its sequence does.
         self._requests: weakref.WeakKeyDictionary[Seq, _Request] = weakref.WeakKeyDictionary()
 
@@ -288,10 +315,20 @@ class AdaptiveController:
         gains = speedups(self._estimates(req, k_max), *costs)
         best = max(range(1, min(k_max, req.depth + self.ramp) + 1), key=gains.__getitem__)
         catch_up = 0.0 if req.drafted_last else self.costs.catch_up_time(req.missed)
-        if gains[best] > gains[0] * (1 + self.margin) and catch_up <= self._saving(seq, gains[best]):
+        # Hysteresis: a request that is drafting goes on while speculation is predicted to lose
+        # at most ``stay`` (and less than half of what one extra verified position costs, so
+        # that failing drafts always stop it); one that is not needs a gain of ``margin``.
+        stay = min(self.stay, (costs[1][1] - 1.0) / 2)
+        threshold = gains[0] * ((1 - stay) if req.drafted_last else (1 + self.margin))
+        if gains[best] > threshold and (catch_up == 0 or catch_up <= self._saving(seq, gains[best])):
             return best
         # A probe: only once the budget covers what catching the drafter up is known to cost.
-        return best if req.balance >= catch_up else 0
+        if req.balance >= catch_up:
+            return best
+        if req.seen == 0 and self.pool >= catch_up and catch_up <= self.first_probe * self._plain_time(seq):
+            req.pool_probe = True  # a new request's first probe, paid from the engine-wide pool
+            return best
+        return 0
 
     def observe(self, seq: Seq, report: RoundReport) -> None:
         req = self._request(seq)
@@ -308,21 +345,29 @@ class AdaptiveController:
         req.depth = max(req.depth, tested)
         self._grow(self.prior, tested)
         req.acceptance.extend(self.prior[len(req.acceptance):tested])
+        req.trials.extend([0] * (len(req.acceptance) - len(req.trials)))
         for i in range(tested):
             hit = 1.0 if i < a else 0.0
-            req.acceptance[i] = _ema(req.acceptance[i], hit, self.request_weight)
+            req.acceptance[i] = _ema(req.acceptance[i], hit, self._weight(req, i))
+            req.trials[i] += 1
             self.prior[i] = _ema(self.prior[i], hit, self.prior_weight)
         if 0 < n == a < len(req.acceptance):
             # Every draft survived, so draft n + 1 was never tried: pull its estimate toward
             # draft n's. Without this, one unlucky rejection deep in the chain would cap k for
             # good, because positions beyond the chosen k are never tested again.
-            req.acceptance[n] = _ema(req.acceptance[n], req.acceptance[n - 1], self.request_weight)
+            req.acceptance[n] = _ema(req.acceptance[n], req.acceptance[n - 1], self._weight(req, n))
         t1 = self.costs.target_s.get(1)
         if n == 0:
             req.balance += self.explore * report.verify_s
+            self.pool += self.explore * report.verify_s
         elif t1 is not None:  # (a pinned-k request may draft before any plain round)
             # What the round lost against plain decoding (negative: it gained), catch-up included.
-            req.balance = min(req.balance - (report.draft_s + report.verify_s - report.num_committed * t1), 0.0)
+            loss = report.draft_s + report.verify_s - report.num_committed * t1
+            if req.pool_probe:
+                self.pool -= loss
+                req.pool_probe = False
+            else:
+                req.balance = min(req.balance - loss, 0.0)
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -332,10 +377,18 @@ class AdaptiveController:
             req = self._requests[seq] = _Request(acceptance=list(self.prior))
         return req
 
+    def _weight(self, req: _Request, i: int) -> float:
+        """EMA weight of the request's next observation at position i (see ``request_weight``)."""
+        return max(1.0 / (self.prior_trials + req.trials[i] + 1), self.request_weight)
+
+    def _plain_time(self, seq: Seq) -> float:
+        """Seconds plain decoding needs for the tokens the request may still generate."""
+        return seq.tokens_left * self.costs.target_s[1]
+
     def _saving(self, seq: Seq, gain: float) -> float:
         """Seconds that speculating at a predicted ``gain`` would save over the rest of the
-        request (at most ``tokens_left`` tokens): a drafter's catch-up must be worth paying."""
-        return seq.tokens_left * self.costs.target_s[1] * (1.0 - 1.0 / gain)
+        request: a drafter's catch-up must be worth paying."""
+        return self._plain_time(seq) * (1.0 - 1.0 / gain)
 
     def _estimates(self, req: _Request, k: int) -> list[float]:
         """The request's own rates where it has some, the engine-wide prior beyond, and the
