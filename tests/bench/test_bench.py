@@ -82,7 +82,7 @@ def make_runner(out_root: Path, methods: str = METHODS, max_turns: int | None = 
     workload = load_workload(str(qfile), None, 1, max_turns)
     meta = {"command": "test", "model": "tiny", "dtype": "bfloat16",
             "machine": {"date": "now", "cpu": "cpu", "cpu_count": 1, "torch_threads": 1, "torch": "t",
-                        "transformers": "t", "loadavg_start": 0.0}}
+                        "transformers": "t", "loadavg_start": 0.0, "revision": "0123abcd"}}
 
     def run(out: Path, settings: Settings, previous: dict | None = None) -> dict:
         specs = bench_methods.parse_methods(methods)
@@ -224,6 +224,8 @@ def test_resume_runs_only_the_missing_blocks_and_keeps_the_earlier_ones(tmp_path
     assert set(report["results"]["plain"]) == {"alpha", "beta", "gamma", "overall"}
     assert len(report["segments"]) == 2 and report["wall_s"] > first["wall_s"]
     assert "in 2 sittings" in (out / "report.md").read_text()
+    assert [seg["revision"] for seg in report["segments"]] == ["0123abcd"] * 2
+    assert "; verispec 0123abcd" in (out / "report.md").read_text()
     # The kept runs' metrics were read back, not dropped: block 1 alone gives the same figures.
     alpha = report["results"]["ngram@k=3,prompt_lookup_max=2"]["alpha"]
     assert alpha["mean_acceptance_length"] == first["results"]["ngram@k=3,prompt_lookup_max=2"]["alpha"][

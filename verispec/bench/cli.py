@@ -150,7 +150,7 @@ def run_and_report(target: Any, fmt: PromptFormat, specs: list[MethodSpec], work
     from verispec.bench.runner import BenchResult, max_model_len, run_bench
 
     done = []
-    segment = {"loadavg_start": meta["machine"].get("loadavg_start")}
+    segment = {"loadavg_start": meta["machine"].get("loadavg_start"), "revision": meta["machine"].get("revision")}
     if previous is not None:
         done = resume_runs(previous, {**meta, **report_header(specs, workload, settings)})
         log(f"resuming: {len({(r.question_id, r.repeat) for r in done})} question blocks already done")

@@ -34,6 +34,21 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def source_revision() -> str | None:
+    """The git commit verispec runs from (``+dirty`` with uncommitted changes); None outside a checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "verispec"],
+                               cwd=root, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("+dirty" if dirty else "") if rev else None
+
+
 def machine_info() -> dict:
     import torch
     import transformers
@@ -49,4 +64,5 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "loadavg_start": os.getloadavg()[0],
+        "revision": source_revision(),
     }

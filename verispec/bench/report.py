@@ -257,6 +257,16 @@ def _identical(fig: dict) -> str:
     return text
 
 
+def _revisions(report: dict) -> str:
+    """The verispec commit each sitting ran, when recorded."""
+    revs = [seg.get("revision") for seg in report.get("segments", [])] or [report["machine"].get("revision")]
+    if not any(revs):
+        return ""
+    if len(set(revs)) == 1:
+        return f"; verispec {revs[0]}"
+    return "; verispec by sitting: " + ", ".join(r or "not recorded" for r in revs)
+
+
 def render_markdown(report: dict) -> str:
     m, s, w = report["machine"], report["settings"], report["workload"]
     cats = [*w["categories"], OVERALL]
@@ -279,7 +289,8 @@ def render_markdown(report: dict) -> str:
         + ", ".join(f"{c} {sum(1 for q in w['questions'] if q['category'] == c)}" for c in w["categories"])
         + f" questions; wall time {report['wall_s'] / 60:.1f} min"
         + (f" in {len(report['segments'])} sittings (resumed with --resume; each question block ran whole, "
-           "all methods side by side, within one sitting)" if len(report.get("segments", [])) > 1 else ""),
+           "all methods side by side, within one sitting)" if len(report.get("segments", [])) > 1 else "")
+        + _revisions(report),
         "",
         "## Speedup over verispec plain (end to end tok/s ratio)",
         "",
