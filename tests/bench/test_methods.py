@@ -139,6 +139,29 @@ def test_llamacpp_runner_stops_at_eos_or_max_tokens_and_samples_purely():
     assert (kwargs["temp"], kwargs["top_k"], kwargs["top_p"], kwargs["min_p"]) == (1.0, 0, 1.0, 0.0)
 
 
+def test_llamacpp_prompt_lookup_keeps_a_logits_row_per_position(monkeypatch, tmp_path):
+    """llama-cpp-python sizes its logits buffer by ``logits_all`` while a draft model makes it
+    write a row per position: without logits_all=True a context past 512 tokens crashed a run."""
+    import sys
+    import types
+
+    from tiny import loaded, tiny_model
+
+    made = []
+    fake = types.ModuleType("llama_cpp")
+    fake.Llama = lambda **kwargs: made.append(kwargs)
+    speculative = types.ModuleType("llama_cpp.llama_speculative")
+    speculative.LlamaPromptLookupDecoding = lambda **kwargs: ("lookup", kwargs)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
+    monkeypatch.setattr(methods.importlib.util, "find_spec", lambda name: object())
+    builder = methods.Builder(loaded(tiny_model(48, seed=0)), 2048, lambda name, q: None, gguf=tmp_path / "m.gguf")
+    for spec in parse_methods("llamacpp:plain,llamacpp:prompt_lookup@k=4")[1:]:
+        builder.build(spec)
+    assert [m["logits_all"] for m in made] == [False, True]
+    assert made[1]["n_ctx"] == 2048 and made[1]["draft_model"] == ("lookup", {"num_pred_tokens": 4})
+
+
 def test_builder_makes_tree_drafters_and_loads_each_draft_once_per_quantization():
     from tiny import loaded, tiny_model
 

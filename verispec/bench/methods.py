@@ -395,7 +395,10 @@ class Builder:
         draft = None
         if spec.name == "prompt_lookup":
             draft = LlamaPromptLookupDecoding(**{LLAMACPP_OPTIONS[k]: v for k, v in spec.options.items()})
+        # With a draft model llama-cpp-python keeps every position's logits, but it sizes that
+        # buffer by the logits_all argument: without it, a context past n_batch (512) tokens
+        # overflows the buffer (a numpy broadcast error mid-run).
         llm = llama_cpp.Llama(model_path=str(self.gguf), n_ctx=self.max_model_len, n_threads=self.threads,
-                              draft_model=draft, verbose=False)
+                              draft_model=draft, logits_all=draft is not None, verbose=False)
         return LlamaCppRunner(llm, self.target.tokenizer.eos_token_ids)
 
