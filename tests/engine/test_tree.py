@@ -20,7 +20,7 @@ from verispec.spec.draft_tree import TreeDraftModelDrafter
 from verispec.spec.ngram import NgramDrafter
 
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7, 9, 4, 3, 7, 9, 11, 6]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, seed=0)  # seeded: sampled children (iid, without_replacement) draw the same trees every run
 DEPTH = 3
 
 DRAFTERS = {

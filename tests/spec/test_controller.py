@@ -267,6 +267,36 @@ def test_a_drafting_request_is_not_stopped_by_noise_where_speculation_pays():
     assert 1 / result[0.05] > 1.05
 
 
+def run_lookahead_like(report_positions: bool, rounds: int = 300, window: int = 4, alpha: float = 0.4) -> float:
+    """Lookahead's shape: every drafting round also verifies a window of ``window`` positions,
+    and the n-gram pool has a draft only 20% of the time. Returns the slowdown against plain."""
+    controller, rng, seq = AdaptiveController(), random.Random(0), Request()
+    total = committed = 0.0
+    for _ in range(rounds):
+        k = controller.choose_k(seq, 3)
+        n = k if k and rng.random() < 0.2 else 0
+        accepted = 0
+        while accepted < n and rng.random() < 0.7:
+            accepted += 1
+        positions = 1 + n + (window if k else 0)
+        verify_s = T1 * (1 + alpha * (positions - 1))
+        seq.num_tokens += accepted + 1
+        controller.observe(seq, RoundReport(n, accepted, accepted + 1, 0.0, verify_s,
+                                            num_positions=positions if report_positions else 0))
+        total, committed = total + verify_s, committed + accepted + 1
+    return total / (T1 * committed)
+
+
+def test_a_drafters_extra_verified_positions_are_priced():
+    """Told how many positions each verify pass computed, the controller prices the window and
+    counts a round with a window but no draft as a miss, so it stops paying for the window; seeing
+    only the drafts (as before), it took window-only rounds for plain ones and kept paying."""
+    priced, blind = run_lookahead_like(True), run_lookahead_like(False)
+    print(f"slowdown with positions reported {priced:.3f}, without {blind:.3f}")
+    assert priced < 1.04
+    assert blind > priced + 0.1
+
+
 def test_new_requests_start_from_the_engine_wide_prior():
     controller = AdaptiveController()
     run_phase(controller, Request(), 200, 0.0, alpha=0.3)

@@ -186,7 +186,9 @@ class Engine:
                 outcome, texts[seq] = self._accept(seq, proposal, v)
                 self._commit(seq, v, outcome)
                 seq.metrics.other_time_s += time.perf_counter() - t0
-                report = RoundReport(outcome.num_proposed, outcome.num_accepted, len(outcome.committed), ds, vs)
+                aux = 0 if outcome.aux_logits is None else outcome.aux_logits.shape[0]
+                report = RoundReport(outcome.num_proposed, outcome.num_accepted, len(outcome.committed), ds, vs,
+                                     num_positions=1 + outcome.num_proposed + aux)
                 self.controller.observe(seq, report)
         for seq in [s for s in self.running if s.finished]:
             self._release(seq)

@@ -157,7 +157,13 @@ class RoundReport:
     num_accepted: int
     num_committed: int
     draft_s: float  # the drafting phase
-    verify_s: float  # the verify phase over num_proposed + 1 positions
+    verify_s: float  # the verify phase over ``positions`` positions
+    num_positions: int = 0  # positions the verify pass computed; 0: num_proposed + 1
+
+    @property
+    def positions(self) -> int:
+        """The last token, the drafts, and any aux branch the drafter added (lookahead's window)."""
+        return self.num_positions or self.num_proposed + 1
 
 
 class Controller(Protocol):
@@ -199,6 +205,7 @@ class CostModel:
     target_s: dict[int, float] = field(default_factory=dict)  # n -> EMA of the verify time
     draft_s_per_token: float | None = None
     catch_up_s_per_token: float | None = None
+    extra_positions: int = 0  # what the drafter adds to a verify pass besides its drafts (last seen)
 
     def observe_target(self, n: int, seconds: float) -> None:
         self.target_s[n] = _ema(self.target_s.get(n), seconds, self.weight)
@@ -236,7 +243,7 @@ class CostModel:
         t1 = self.target_s.get(1)
         if t1 is None or t1 <= 0:
             return None
-        verify = [1.0] + [self.target_time(k + 1) / t1 for k in range(1, k_max + 1)]
+        verify = [1.0] + [self.target_time(k + 1 + self.extra_positions) / t1 for k in range(1, k_max + 1)]
         # An unmeasured drafter is taken to be free; its first drafting round measures it.
         c = (self.draft_s_per_token or 0.0) / t1
         return c, verify
@@ -250,6 +257,8 @@ class _Request:
     balance: float = 0.0  # exploration budget in seconds; a probe is allowed when >= 0
     depth: int = 0  # the deepest draft position this request has tested (accepted, or the first rejected)
     seen: int = 0  # tokens of the request the drafter had read by its last drafting round
+    asked: int = 0  # the k chosen for the round under way
+    speculated: bool = False  # some round of this request has verified more than its last token
     pool_probe: bool = False  # this round is a probe paid from the engine-wide pool
     missed: int = 0  # tokens the drafter has not read when this round starts
 
@@ -307,6 +316,7 @@ class AdaptiveController:
     def choose_k(self, seq: Seq, k_max: int) -> int:
         req = self._request(seq)
         req.missed = seq.num_tokens - req.seen
+        req.asked = 0
         if k_max <= 0:
             return 0
         costs = self.costs.relative(k_max)
@@ -321,19 +331,22 @@ class AdaptiveController:
         stay = min(self.stay, (costs[1][1] - 1.0) / 2)
         threshold = gains[0] * ((1 - stay) if req.drafted_last else (1 + self.margin))
         if gains[best] > threshold and (catch_up == 0 or catch_up <= self._saving(seq, gains[best])):
-            return best
+            req.asked = best
         # A probe: only once the budget covers what catching the drafter up is known to cost.
-        if req.balance >= catch_up:
-            return best
-        if req.seen == 0 and self.pool >= catch_up and catch_up <= self.first_probe * self._plain_time(seq):
+        elif req.balance >= catch_up:
+            req.asked = best
+        elif not req.speculated and self.pool >= catch_up and catch_up <= self.first_probe * self._plain_time(seq):
             req.pool_probe = True  # a new request's first probe, paid from the engine-wide pool
-            return best
-        return 0
+            req.asked = best
+        return req.asked
 
     def observe(self, seq: Seq, report: RoundReport) -> None:
         req = self._request(seq)
-        n, a = report.num_proposed, report.num_accepted
-        self.costs.observe_target(n + 1, report.verify_s)
+        n, a, width = report.num_proposed, report.num_accepted, report.positions
+        self.costs.observe_target(width, report.verify_s)
+        if width > 1:
+            self.costs.extra_positions = width - n - 1
+            req.speculated = True
         if n > 0 and req.drafted_last:
             self.costs.observe_draft(n, report.draft_s)
         elif n > 0:
@@ -342,6 +355,11 @@ class AdaptiveController:
             req.seen = seq.num_tokens
         req.drafted_last = n > 0
         tested = min(a + 1, n)  # drafts 1..a were accepted, draft a+1 (if proposed) rejected
+        short = n < req.asked and width > n + 1
+        if short:
+            # The drafter had fewer drafts than asked but the round still paid for its extra
+            # positions (lookahead's window with an empty pool): the missing draft counts as a miss.
+            tested = n + 1
         req.depth = max(req.depth, tested)
         self._grow(self.prior, tested)
         req.acceptance.extend(self.prior[len(req.acceptance):tested])
@@ -351,13 +369,13 @@ class AdaptiveController:
             req.acceptance[i] = _ema(req.acceptance[i], hit, self._weight(req, i))
             req.trials[i] += 1
             self.prior[i] = _ema(self.prior[i], hit, self.prior_weight)
-        if 0 < n == a < len(req.acceptance):
+        if 0 < n == a < len(req.acceptance) and not short:
             # Every draft survived, so draft n + 1 was never tried: pull its estimate toward
             # draft n's. Without this, one unlucky rejection deep in the chain would cap k for
             # good, because positions beyond the chosen k are never tested again.
             req.acceptance[n] = _ema(req.acceptance[n], req.acceptance[n - 1], self._weight(req, n))
         t1 = self.costs.target_s.get(1)
-        if n == 0:
+        if width == 1:
             req.balance += self.explore * report.verify_s
             self.pool += self.explore * report.verify_s
         elif t1 is not None:  # (a pinned-k request may draft before any plain round)
