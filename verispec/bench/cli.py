@@ -39,6 +39,9 @@ methods (--methods, comma-separated; plain is always run first, as the baseline)
   llamacpp:plain, llamacpp:prompt_lookup  llama.cpp on the GGUF (needs llama-cpp-python;
                                         k: num_pred_tokens, max_ngram_size)
   example: plain,ngram@k=4,prompt_lookup_max=3,draft_model:qwen2.5-coder-0.5b-instruct@k=4,hf:plain
+  verispec drafters are adaptive unless adaptive=false; a drafter given both ways
+  (ngram@k=8,ngram@k=2,adaptive=false,...) also gets a table of the adaptive one against its
+  best fixed k per category
 
 questions (--questions): spec-bench (${SPEC_BENCH_ENV} or {SPEC_BENCH_RELATIVE}), code-edit (built in),
   or a JSONL file with question_id, category and turns per line. --categories picks categories
