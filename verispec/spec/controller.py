@@ -269,8 +269,8 @@ class AdaptiveController:
     Args:
         prior_acceptance: the starting per-position acceptance of the engine-wide prior.
         request_weight: EMA weight of one observation in a request's own estimates, once it
-            has a few; the first ones weigh more (1/3, 1/4, ...: the prior counts as
-            ``prior_trials`` observations), so a request soon stops trusting a prior that others
+            has a few; the first ones weigh more (1/2, 1/3, ... with the prior counted as
+            ``prior_trials`` = 1 observation), so a request soon stops trusting a prior that others
             shaped, and is not thrown off by one unlucky draft later.
         prior_trials: how many observations of its own the engine-wide prior is worth to a request.
         prior_weight: EMA weight of one observation in the engine-wide prior (slow).
@@ -316,7 +316,7 @@ class AdaptiveController:
     def choose_k(self, seq: Seq, k_max: int) -> int:
         req = self._request(seq)
         req.missed = seq.num_tokens - req.seen
-        req.asked = 0
+        req.asked, req.pool_probe = 0, False
         if k_max <= 0:
             return 0
         costs = self.costs.relative(k_max)
@@ -328,7 +328,7 @@ class AdaptiveController:
         # Hysteresis: a request that is drafting goes on while speculation is predicted to lose
         # at most ``stay`` (and less than half of what one extra verified position costs, so
         # that failing drafts always stop it); one that is not needs a gain of ``margin``.
-        stay = min(self.stay, (costs[1][1] - 1.0) / 2)
+        stay = max(min(self.stay, (costs[1][1] - 1.0) / 2), 0.0)
         threshold = gains[0] * ((1 - stay) if req.drafted_last else (1 + self.margin))
         if gains[best] > threshold and (catch_up == 0 or catch_up <= self._saving(seq, gains[best])):
             req.asked = best
