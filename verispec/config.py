@@ -65,7 +65,8 @@ class SpeculativeConfig:
 
     Tree speculation (names from SGLang / vLLM): ``num_speculative_tokens`` is the tree depth,
     ``speculative_eagle_topk`` (alias ``draft_topk``) the branching, ``num_draft_tokens`` the
-    node budget (draft tokens per round, root excluded; default: depth * topk), and
+    node budget (draft tokens per round, root excluded; default: depth * topk; with ``adaptive``
+    the most the controller may keep of a dynamic tree, and the depth the most it may draft), and
     ``speculative_token_tree`` a static Medusa-style choices list (tuples of top-k ranks).
     ``tree_children`` says how a node's children are chosen when sampling: ``"topk"`` (the
     draft's top-k, deterministic; dynamic EAGLE-2 trees), ``"without_replacement"`` or

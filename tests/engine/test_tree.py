@@ -8,14 +8,18 @@ node, the heart of multi-draft sampling); deeper trees are covered statistically
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+import verispec.engine.engine as engine_module
 import verispec.spec.tree_verify as tree_verify
 from distribution import PROMPT as DIST_PROMPT, SETTINGS, exact_joint, goodness_of_fit, passes, sample_counts, \
     target_and_draft
 from tiny import loaded
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
+from verispec.spec.controller import AdaptiveController, FixedK
 from verispec.spec.draft_tree import TreeDraftModelDrafter
 from verispec.spec.ngram import NgramDrafter
 
@@ -52,6 +56,53 @@ def test_greedy_tree_identical_to_plain(target, draft, plain, name):
     m = seq.metrics
     assert m.tree_rounds > 0 and m.tree_nodes > m.tree_rounds  # real trees, not chains
     assert 0 < m.num_accepted_tokens
+
+
+class RandomBudget(FixedK):
+    """Drafts the deepest tree allowed, then verifies a random number of its best nodes."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng, self.kept = random.Random(seed), []
+
+    def choose_nodes(self, seq, values, draft_s) -> int:
+        m = self.rng.randint(1, len(values))
+        self.kept.append((m, len(values)))
+        return m
+
+
+class RecordingBudget(AdaptiveController):
+    """The adaptive controller, remembering each node budget: (kept, drafted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept = []
+
+    def choose_nodes(self, seq, values, draft_s) -> int:
+        m = super().choose_nodes(seq, values, draft_s)
+        self.kept.append((m, len(values)))
+        return m
+
+
+def budget_engine(target, draft, controller, max_model_len=256, **drafter_kw) -> Engine:
+    spec = SpeculativeConfig(method="given", num_speculative_tokens=DEPTH)
+    drafter = TreeDraftModelDrafter(loaded(draft), draft.config.vocab_size, max_model_len, depth=DEPTH, **drafter_kw)
+    return Engine(loaded(target), spec, max_model_len=max_model_len, drafter=drafter, controller=controller)
+
+
+def test_any_node_budget_leaves_greedy_output_unchanged(target, draft, plain):
+    controller = RandomBudget(seed=1)
+    seq = budget_engine(target, draft, controller, topk=2, budget=6).generate(PROMPT, GREEDY)
+    assert seq.output_ids == plain.output_ids
+    assert any(m < n for m, n in controller.kept) and any(m == n for m, n in controller.kept)
+
+
+def test_greedy_tree_with_adaptive_node_budget_identical_to_plain(target, draft, plain):
+    controller = RecordingBudget()
+    eng = budget_engine(target, draft, controller, topk=2, budget=6)
+    outputs = [eng.generate(PROMPT, GREEDY).output_ids for _ in range(2)]  # 2nd: with learned costs
+    print(f"node budgets (kept, drafted): {controller.kept}")
+    assert outputs == [plain.output_ids] * 2
+    assert controller.kept and eng.metrics.tree_rounds > 0
 
 
 def test_greedy_ngram_trie_identical_to_plain(target, plain):
@@ -116,3 +167,19 @@ def test_no_residual_update_between_children_fails(dist_models, monkeypatch):
     _, (pvalue, tv) = tree_counts(dist_models, drafter_kw, SETTINGS[setting])
     print(f"negative control: p={pvalue:.2e}, TV={tv:.4f}")
     assert not passes(pvalue, tv)
+
+
+def test_random_node_budget_keeps_the_sampled_distribution(dist_models, monkeypatch):
+    """Verifying only the m best nodes of a dynamic top-k tree, m chosen at random each round
+    (the adaptive node budget's freedom), leaves the output distribution exactly the target's."""
+    monkeypatch.setattr(engine_module, "_fixed_k", lambda seq: False)  # the harness seeds every draw
+    target, draft = dist_models
+    controller = RandomBudget(seed=0)
+    eng = budget_engine(target, draft, controller, max_model_len=64, topk=3, budget=9)
+    params = SETTINGS["temperature=1.0"]
+    counts = sample_counts(lambda p: eng.generate(DIST_PROMPT, p).output_ids, params)
+    pvalue, tv = goodness_of_fit(counts, exact_joint(target, params))
+    pruned = sum(m < n for m, n in controller.kept)
+    print(f"random node budget: {pruned} of {len(controller.kept)} trees pruned, p={pvalue:.4f}, TV={tv:.4f}")
+    assert pruned > 0 and eng.metrics.tree_rounds > 0 and eng.metrics.num_accepted_tokens > 0
+    assert passes(pvalue, tv)

@@ -335,3 +335,81 @@ def test_ramp_still_reaches_a_deep_optimum_quickly():
     rounds = ks(run_phase(AdaptiveController(), Request(), 40, 0.95, alpha=0.05))
     print(f"ks: {rounds[:12]}")
     assert max(rounds[:8]) == 8  # 0 (measures T1), then 2, 4, 6, 8 while drafts survive
+
+
+# ---- trees: the node budget ------------------------------------------------------------------
+
+
+def tree_controller(alpha: float, max_nodes: int = 8) -> AdaptiveController:
+    """A controller that has measured T_target(n) = T1 * (1 + alpha * (n - 1)) for every width."""
+    controller = AdaptiveController()
+    for n in range(1, max_nodes + 2):
+        controller.costs.observe_target(n, T1 * (1 + alpha * (n - 1)))
+    return controller
+
+
+@pytest.mark.parametrize("alpha, draft_s, expected", [
+    # values 0.9 0.5 0.3 0.05; tokens per unit time for m = 1..4 nodes:
+    (0.1, 0.0, 3),  # 1.9/1.1=1.73  2.4/1.2=2.00  2.7/1.3=2.08  2.75/1.4=1.96
+    (0.5, 0.0, 1),  # 1.9/1.5=1.27  2.4/2.0=1.20  2.7/2.5=1.08  2.75/3.0=0.92
+    (0.5, T1, 2),  # drafting already paid (1 T1): 1.9/2.5=0.76  2.4/3.0=0.80  2.7/3.5=0.77  2.75/4.0=0.69
+])
+def test_node_budget_hand_computed(alpha, draft_s, expected):
+    controller = tree_controller(alpha)
+    assert controller.choose_nodes(Request(), (0.9, 0.5, 0.3, 0.05), draft_s) == expected
+
+
+def simulate_tree(controller, rounds, scale, alpha, seed=0):
+    """Trees whose node i (best first) has draft value 0.9**i while verification accepts it with
+    probability scale * 0.9**i (a chain of nodes, so an accepted node's ancestors are accepted).
+    Returns the node budgets chosen."""
+    rng, seq, chosen = random.Random(seed), Request(), []
+    values = tuple(0.9 ** i for i in range(1, 7))
+    for _ in range(rounds):
+        m = controller.choose_nodes(seq, values, 0.0)
+        accepted = 0
+        while accepted < m and rng.random() < (scale * 0.9 if accepted == 0 else 0.9):
+            accepted += 1
+        controller.observe(seq, RoundReport(m, accepted, accepted + 1, 0.0, T1 * (1 + alpha * m),
+                                            num_positions=m + 1, depth=m))
+        chosen.append(m)
+    return chosen
+
+
+def true_rates(scale, alpha):
+    """Tokens per plain-step time for m = 1..6 in the world of :func:`simulate_tree`."""
+    return [(1 + sum(scale * 0.9 ** i for i in range(1, m + 1))) / (1 + alpha * m) for m in range(1, 7)]
+
+
+@pytest.mark.parametrize("scale", [0.4, 1.1])
+def test_node_budget_calibrates_to_the_acceptance_it_sees(scale):
+    """Overconfident drafts (verification accepts 0.4x what the draft values say) shrink the
+    budget from five of six nodes to the few worth a position; underconfident ones keep it near full.
+    Either way the budget settles where the true tokens per second are within 2% of the best."""
+    alpha = 0.3
+    controller = tree_controller(alpha)
+    chosen = simulate_tree(controller, 300, scale, alpha)
+    rates = true_rates(scale, alpha)
+    good = {m for m, r in enumerate(rates, start=1) if r >= 0.98 * max(rates)}
+    late = chosen[-200:]
+    print(f"scale {scale}: first budgets {chosen[:8]}, late mean {sum(late) / len(late):.2f}, good {sorted(good)}")
+    assert chosen[0] == 5  # calibration 1 until measured: 5 of 6 nodes at alpha 0.3
+    assert sum(m in good for m in late) >= 0.9 * len(late)
+    assert good == ({1, 2, 3} if scale < 1 else {4, 5, 6})
+
+
+def test_a_tree_round_is_learned_by_depth_and_its_breadth_priced():
+    """A tree of 6 nodes and depth 3 that accepted a path of 2: depths 1..3 were tested (not 6
+    positions), drafting cost is per depth level, and the 3 nodes off the longest path are priced
+    as extra verify positions in the choice of depth."""
+    controller = tree_controller(0.1)
+    seq = Request()
+    for _ in range(2):  # the first drafting round also reads the prompt: not a per-level sample
+        controller.choose_k(seq, 4)
+        controller.observe(seq, RoundReport(6, 2, 3, 0.3 * T1, T1 * 1.6, num_positions=7, depth=3))
+    req = controller._requests[seq]
+    assert req.trials == [2, 2, 2] and req.depth == 3
+    assert controller.costs.extra_positions == 3
+    c, verify = controller.costs.relative(4)
+    assert c == pytest.approx(0.1)  # 0.3 T1 over 3 depth levels
+    assert verify[2] == pytest.approx(1 + 0.1 * 5)  # depth 2 + root + 3 off-path nodes = 6 positions

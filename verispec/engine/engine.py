@@ -38,7 +38,8 @@ verification walks the tree, and commit keeps the accepted path's K/V with one c
 
 k per sequence: the batch-aware rule of :mod:`verispec.engine.batch_k` caps it as the batch
 grows, and the controller (:mod:`verispec.spec.controller`) picks a k up to that cap from
-measured costs and the request's acceptance. A request that sets its own
+measured costs and the request's acceptance; for a tree whose nodes carry draft values it also
+picks how many of the best nodes to verify (the node budget). A request that sets its own
 ``num_speculative_tokens`` pins k (at most the engine's): it skips both and drafts that many
 every round it can, as asked. So does a seeded sampled request, at the engine's k, so that its
 seed reproduces its output (its random draws depend on how many drafts each round verifies;
@@ -188,7 +189,8 @@ class Engine:
                 seq.metrics.other_time_s += time.perf_counter() - t0
                 aux = 0 if outcome.aux_logits is None else outcome.aux_logits.shape[0]
                 report = RoundReport(outcome.num_proposed, outcome.num_accepted, len(outcome.committed), ds, vs,
-                                     num_positions=1 + outcome.num_proposed + aux)
+                                     num_positions=1 + outcome.num_proposed + aux,
+                                     depth=_depth(proposal) if proposal.parents is not None else 0)
                 self.controller.observe(seq, report)
         for seq in [s for s in self.running if s.finished]:
             self._release(seq)
@@ -246,6 +248,12 @@ class Engine:
         self.costs.record_proposal(len(proposal), time.perf_counter() - t0)
         if _depth(proposal) > k:
             raise RuntimeError(f"drafter proposed a depth of {_depth(proposal)}, more than the {k} asked for")
+        if proposal.values is not None and len(proposal) > 1 and not _fixed_k(seq):
+            # The node budget: how many of the tree's best nodes are worth a verify position.
+            n = self.controller.choose_nodes(seq, proposal.values, time.perf_counter() - t0)
+            if not 1 <= n <= len(proposal):
+                raise RuntimeError(f"the controller kept {n} tree nodes, outside 1..{len(proposal)}")
+            proposal = _first_nodes(proposal, n)
         return proposal
 
     def _k_for(self, seq: Sequence, batch_k: int) -> int:
@@ -416,12 +424,15 @@ def _depth(proposal: Proposal) -> int:
 
 
 def _first_nodes(proposal: Proposal, n: int) -> Proposal:
-    """The tree's first ``n`` nodes (what fits in the cache).
+    """The tree's first ``n`` nodes (what fits in the cache, or the node budget).
 
     Exact for every child mode: dropping the last nodes drops, at each node, a suffix of its
-    children (and their subtrees), chosen by count alone, never by the drawn tokens.
+    children (and their subtrees), chosen by count alone, never by the drawn tokens. (A node
+    budget is chosen from draft values, which only top-k trees carry: their children are not
+    drawn, and any subtree picked before the target runs keeps verification exact.)
     """
     if len(proposal) <= n:
         return proposal
     probs = None if proposal.probs is None else proposal.probs[:n]
-    return Proposal(proposal.tokens[:n], probs, proposal.parents[:n], proposal.children)
+    values = None if proposal.values is None else proposal.values[:n]
+    return Proposal(proposal.tokens[:n], probs, proposal.parents[:n], proposal.children, values=values)

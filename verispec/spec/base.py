@@ -60,6 +60,13 @@ class Proposal:
     ``probs[i]`` is the q at that parent which the token was drawn from (before removing
     earlier siblings), and ``children`` how siblings were chosen (see
     :mod:`verispec.spec.tree_verify`).
+
+    ``values`` (trees, optional): each node's draft estimate of the chance that verification
+    accepts it, the product of the draft probabilities along its path. A drafter sets it only
+    when its nodes are numbered by decreasing value, so that the first m nodes are the m most
+    valued and form a tree; the controller then picks how many to verify (the node budget), and
+    the engine keeps that prefix. Keeping a prefix chosen from draft values alone is exact, as
+    the value is known before the target is run.
     """
 
     tokens: list[int]  # [n], n <= k for a chain; tree depth <= k for a tree
@@ -67,6 +74,7 @@ class Proposal:
     parents: tuple[int, ...] | None = None  # [n] for a tree proposal
     children: str = "topk"  # tree proposals: "topk" | "iid" | "without_replacement"
     aux: AuxBranch | None = None
+    values: tuple[float, ...] | None = None  # [n] trees: draft acceptance estimate, non-increasing
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -15,9 +15,10 @@ v(n) = 1 + alpha * (n - 1)). The speedup over plain decoding is
 :func:`speedups` is that formula, the one place it is written; ``verispec plan`` prints it and
 :class:`AdaptiveController` maximises it every round.
 
-The controller is behind a two-call interface the engine uses for every drafter::
+The controller is behind a small interface the engine uses for every drafter::
 
     k = controller.choose_k(seq, k_max)     # before the round, 0 <= k <= k_max
+    m = controller.choose_nodes(seq, values, draft_s)  # a drafted tree with values: its node budget
     controller.observe(seq, report)         # after it: proposed, accepted, draft and verify time
 
 :class:`FixedK` always answers k_max (``"adaptive": false``). :class:`AdaptiveController`
@@ -66,6 +67,16 @@ is at most ``first_probe`` (10%) of the plain time the request may still take. W
 shaped by unpredictable requests would keep a draft model off for good, since a request's own
 budget grows more slowly than the catch-up it would need. A probe that gains earns credit, so a
 recovering request probes again at once.
+
+Trees. For a tree drafter k is the tree's depth: acceptance is learned per depth (a round that
+accepted a path of length a tested depths 1..a+1), the draft cost per depth level, and the
+tree's breadth (the positions past its longest path) is priced into the verify cost like
+lookahead's window. A tree whose nodes carry draft values (a dynamic top-k tree, numbered best
+first) then gets a node budget after drafting: :meth:`AdaptiveController.choose_nodes` keeps
+the m best nodes that maximise tokens per second, with each node's acceptance chance taken as
+its path's draft probability times a calibration the request measures (accepted nodes per round
+over the draft values it predicted). Low-confidence nodes are dropped when a verify position
+costs more than they are likely to return, and the whole budget is used when they are cheap.
 
 Costs are measured with the phases the engine already times: the drafting phase and the verify
 phase (target forward plus verification). The first drafting round after plain rounds also
@@ -159,26 +170,43 @@ class RoundReport:
     draft_s: float  # the drafting phase
     verify_s: float  # the verify phase over ``positions`` positions
     num_positions: int = 0  # positions the verify pass computed; 0: num_proposed + 1
+    depth: int = 0  # a tree round: the tree's depth; 0 for a chain
 
     @property
     def positions(self) -> int:
         """The last token, the drafts, and any aux branch the drafter added (lookahead's window)."""
         return self.num_positions or self.num_proposed + 1
 
+    @property
+    def length(self) -> int:
+        """Draft positions along the longest path: a chain's drafts, a tree's depth."""
+        return self.depth or self.num_proposed
+
 
 class Controller(Protocol):
     def choose_k(self, seq: Seq, k_max: int) -> int:
         """How many tokens to draft this round, 0..k_max (0 = a plain decoding round)."""
+
+    def choose_nodes(self, seq: Seq, values: Sequence[float], draft_s: float) -> int:
+        """How many of a drafted tree's nodes to verify, 1..len(values) (the node budget).
+
+        ``values`` are the nodes' draft acceptance estimates, best first (``Proposal.values``);
+        ``draft_s`` is what drafting the tree took.
+        """
 
     def observe(self, seq: Seq, report: RoundReport) -> None:
         """Learn from the round just finished."""
 
 
 class FixedK:
-    """Always draft the most allowed: ``num_speculative_tokens``, capped by the room left."""
+    """Always draft the most allowed: ``num_speculative_tokens``, capped by the room left, and
+    verify every tree node drafted."""
 
     def choose_k(self, seq: Seq, k_max: int) -> int:
         return k_max
+
+    def choose_nodes(self, seq: Seq, values: Sequence[float], draft_s: float) -> int:
+        return len(values)
 
     def observe(self, seq: Seq, report: RoundReport) -> None:
         pass
@@ -261,6 +289,10 @@ class _Request:
     speculated: bool = False  # some round of this request has verified more than its last token
     pool_probe: bool = False  # this round is a probe paid from the engine-wide pool
     missed: int = 0  # tokens the drafter has not read when this round starts
+    predicted: float = 0.0  # a tree round: the summed draft values of the nodes kept (0: none)
+    accepted_ema: float | None = None  # tree calibration: accepted nodes per round (EMA) ...
+    predicted_ema: float | None = None  # ... over the summed draft values (EMA)
+    tree_rounds: int = 0
 
 
 class AdaptiveController:
@@ -310,13 +342,14 @@ class AdaptiveController:
             raise ValueError(f"first_probe must be in [0, 1), got {first_probe}")
         self.ramp, self.margin, self.stay, self.first_probe = ramp, margin, stay, first_probe
         self.pool = 0.0  # engine-wide exploration budget for new requests' first probes (seconds)
+        self.prior_calibration: tuple[float, float] | None = None  # (accepted, predicted) EMAs, engine-wide
         # Per-request state lives as long as its sequence does.
         self._requests: weakref.WeakKeyDictionary[Seq, _Request] = weakref.WeakKeyDictionary()
 
     def choose_k(self, seq: Seq, k_max: int) -> int:
         req = self._request(seq)
         req.missed = seq.num_tokens - req.seen
-        req.asked, req.pool_probe = 0, False
+        req.asked, req.pool_probe, req.predicted = 0, False, 0.0
         if k_max <= 0:
             return 0
         costs = self.costs.relative(k_max)
@@ -340,9 +373,35 @@ class AdaptiveController:
             req.asked = best
         return req.asked
 
+    def choose_nodes(self, seq: Seq, values: Sequence[float], draft_s: float) -> int:
+        """The node budget: the m best nodes whose round commits the most tokens per second.
+
+        Verification commits 1 + (accepted nodes) tokens, and a node is accepted only on the
+        accepted path, so E[tokens](m) = 1 + sum of the m nodes' acceptance chances. The chance
+        is the node's draft value (its path's draft probability) times this request's
+        calibration: accepted nodes per round over the values predicted, an EMA weighted like
+        the acceptance estimates and starting from the engine-wide one (1 until measured). The
+        round costs the drafting already done plus T_target(m + 1), so
+
+            m* = argmax_m (1 + sum_{i<=m} min(1, s * value_i)) / (draft_s / T1 + v(m + 1)).
+        """
+        req = self._request(seq)
+        t1 = self.costs.target_s.get(1)
+        best = len(values)
+        if t1 is not None and t1 > 0 and len(values) > 1:
+            scale = self._calibration(req)
+            drafted, expected, rate = draft_s / t1, 1.0, 0.0
+            for m, value in enumerate(values, start=1):
+                expected += min(1.0, scale * value)
+                r = expected / (drafted + self.costs.target_time(m + 1) / t1)
+                if r > rate:
+                    best, rate = m, r
+        req.predicted = sum(values[:best])
+        return best
+
     def observe(self, seq: Seq, report: RoundReport) -> None:
         req = self._request(seq)
-        n, a, width = report.num_proposed, report.num_accepted, report.positions
+        n, a, width = report.length, report.num_accepted, report.positions
         self.costs.observe_target(width, report.verify_s)
         if width > 1:
             self.costs.extra_positions = width - n - 1
@@ -355,7 +414,7 @@ class AdaptiveController:
             req.seen = seq.num_tokens
         req.drafted_last = n > 0
         tested = min(a + 1, n)  # drafts 1..a were accepted, draft a+1 (if proposed) rejected
-        short = n < req.asked and width > n + 1
+        short = n < req.asked and width > n + 1 and not report.depth
         if short:
             # The drafter had fewer drafts than asked but the round still paid for its extra
             # positions (lookahead's window with an empty pool): the missing draft counts as a miss.
@@ -374,6 +433,9 @@ class AdaptiveController:
             # draft n's. Without this, one unlucky rejection deep in the chain would cap k for
             # good, because positions beyond the chosen k are never tested again.
             req.acceptance[n] = _ema(req.acceptance[n], req.acceptance[n - 1], self._weight(req, n))
+        if req.predicted > 0:
+            self._calibrate(req, a, req.predicted)
+            req.predicted = 0.0
         t1 = self.costs.target_s.get(1)
         if width == 1:
             req.balance += self.explore * report.verify_s
@@ -398,6 +460,24 @@ class AdaptiveController:
     def _weight(self, req: _Request, i: int) -> float:
         """EMA weight of the request's next observation at position i (see ``request_weight``)."""
         return max(1.0 / (self.prior_trials + req.trials[i] + 1), self.request_weight)
+
+    def _calibration(self, req: _Request) -> float:
+        """Accepted tree nodes per unit of draft value: the request's, else the engine's, else 1."""
+        accepted, predicted = (req.accepted_ema, req.predicted_ema) if req.tree_rounds else \
+            (self.prior_calibration or (1.0, 1.0))
+        return accepted / predicted if predicted > 0 else 1.0
+
+    def _calibrate(self, req: _Request, accepted: int, predicted: float) -> None:
+        if not req.tree_rounds and self.prior_calibration is not None:
+            req.accepted_ema, req.predicted_ema = self.prior_calibration
+        weight = 1.0 if req.accepted_ema is None else \
+            max(1.0 / (self.prior_trials + req.tree_rounds + 1), self.request_weight)
+        req.accepted_ema = _ema(req.accepted_ema, accepted, weight)
+        req.predicted_ema = _ema(req.predicted_ema, predicted, weight)
+        req.tree_rounds += 1
+        prior = self.prior_calibration or (accepted, predicted)
+        self.prior_calibration = (_ema(prior[0], accepted, self.prior_weight),
+                                  _ema(prior[1], predicted, self.prior_weight))
 
     def _plain_time(self, seq: Seq) -> float:
         """Seconds plain decoding needs for the tokens the request may still generate."""

@@ -6,7 +6,10 @@ Two shapes:
   ``topk`` most likely draft tokens as children, scored by cumulative draft log-probability;
   the ``topk`` best new nodes of each depth are expanded next, and after ``depth`` levels the
   ``num_draft_tokens`` best nodes overall are kept (a node's score never exceeds its
-  parent's, so the kept set contains every kept node's ancestors).
+  parent's, so the kept set contains every kept node's ancestors). The proposal numbers them
+  best first and carries each one's path probability (``Proposal.values``), so the adaptive
+  controller can verify fewer: the node budget it picks per round (see
+  :meth:`verispec.spec.controller.AdaptiveController.choose_nodes`).
 * **static** (a choices list, :meth:`Tree.from_choices`): node shapes fixed in advance; a
   node of rank r is the parent's r-th top token (``topk``) or its r-th draw (sampled).
 
@@ -84,11 +87,13 @@ class TreeDraftModelDrafter(DraftModelDrafter):
         nodes = [_Node(ids[-1], -1)]
         if self.static is None:
             self._expand_dynamic(seq, nodes, root_logits, k)
+            # Numbered best first: a node never scores above its parent, so every prefix is a tree.
             keep = sorted(range(1, len(nodes)), key=lambda i: (-nodes[i].score, i))[:budget]
+            values = tuple(math.exp(nodes[i].score) for i in keep)
         else:
             self._expand_static(seq, nodes, root_logits, k, budget)
-            keep = list(range(1, len(nodes)))
-        return self._proposal(nodes, sorted(keep))
+            keep, values = list(range(1, len(nodes))), None
+        return self._proposal(nodes, keep, values)
 
     def feedback(self, seq: Sequence, outcome: Outcome) -> None:
         round_start = self._round_start.pop(seq.slot, None)
@@ -177,8 +182,9 @@ class TreeDraftModelDrafter(DraftModelDrafter):
                             slots=[slot])[0]  # [F, V_draft]
         return self._align_vocab(logits)
 
-    def _proposal(self, nodes: list[_Node], keep: list[int]) -> Proposal:
+    def _proposal(self, nodes: list[_Node], keep: list[int], values: tuple[float, ...] | None) -> Proposal:
+        """The kept nodes, numbered in ``keep``'s order (every parent before its children)."""
         renumber = {0: 0, **{old: new for new, old in enumerate(keep, start=1)}}
         q = None if self.children == "topk" else torch.stack([nodes[i].q for i in keep])
         return Proposal([nodes[i].token for i in keep], q, tuple(renumber[nodes[i].parent] for i in keep),
-                        self.children)
+                        self.children, values=values)
