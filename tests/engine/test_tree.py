@@ -3,12 +3,12 @@ sampled distribution (shared harness, ``tests/distribution.py``) with a negative
 
 The harness generates 3 tokens, so its rounds verify depth-1 trees (several children of one
 node, the heart of multi-draft sampling); deeper trees are covered statistically in
-``tests/spec/test_tree_verify.py`` and by greedy identity here.
+``tests/spec/test_tree_verify.py`` and by greedy identity here. The adaptive node budget (the
+controller verifying only a dynamic tree's m best nodes) is held to both: greedy identity with
+the real controller and with random budgets, and the distribution with random budgets.
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 
@@ -16,10 +16,11 @@ import verispec.engine.engine as engine_module
 import verispec.spec.tree_verify as tree_verify
 from distribution import PROMPT as DIST_PROMPT, SETTINGS, exact_joint, goodness_of_fit, passes, sample_counts, \
     target_and_draft
+from controllers import RandomBudget
 from tiny import loaded
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
-from verispec.spec.controller import AdaptiveController, FixedK
+from verispec.spec.controller import AdaptiveController
 from verispec.spec.draft_tree import TreeDraftModelDrafter
 from verispec.spec.ngram import NgramDrafter
 
@@ -56,18 +57,6 @@ def test_greedy_tree_identical_to_plain(target, draft, plain, name):
     m = seq.metrics
     assert m.tree_rounds > 0 and m.tree_nodes > m.tree_rounds  # real trees, not chains
     assert 0 < m.num_accepted_tokens
-
-
-class RandomBudget(FixedK):
-    """Drafts the deepest tree allowed, then verifies a random number of its best nodes."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng, self.kept = random.Random(seed), []
-
-    def choose_nodes(self, seq, values, draft_s) -> int:
-        m = self.rng.randint(1, len(values))
-        self.kept.append((m, len(values)))
-        return m
 
 
 class RecordingBudget(AdaptiveController):

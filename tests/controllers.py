@@ -1,0 +1,21 @@
+"""Controllers for tests: choices no real controller would make, to show that none of them can
+change what verification outputs."""
+
+from __future__ import annotations
+
+import random
+
+from verispec.spec.controller import FixedK
+
+
+class RandomBudget(FixedK):
+    """Drafts the deepest tree allowed, then verifies a random number of its best nodes
+    (``kept`` records each choice as (kept, drafted))."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng, self.kept = random.Random(seed), []
+
+    def choose_nodes(self, seq, values, draft_s) -> int:
+        m = self.rng.randint(1, len(values))
+        self.kept.append((m, len(values)))
+        return m
