@@ -63,7 +63,11 @@ the plain-round time however expensive it is: a failed prompt-lookup probe (~alp
 whose prior says speculation does not pay pays a draft model's prompt prefill for a probe only
 from what the engine has earned: an engine-wide pool, filled by every plain round like the
 request budgets, funds a new request's first probe when it holds the catch-up and the catch-up
-is at most ``first_probe`` (10%) of the plain time the request may still take. Without it a prior
+is at most ``first_probe`` (a quarter) of what speculation could save at best over the tokens the
+request may still take: the measured costs with every draft surviving 90% of the time. Where a
+draft model cannot pay much even on predictable content (on a 2-core CPU a 0.5B draft costs half
+a 1.5B target step per token and gains under 10% at best), reading a new request's prompt for a
+probe is a loss however full the pool, and it is not made. Without it a prior
 shaped by unpredictable requests would keep a draft model off for good, since a request's own
 budget grows more slowly than the catch-up it would need. A probe that gains earns credit, so a
 recovering request probes again at once.
@@ -310,14 +314,19 @@ class AdaptiveController:
         ramp: how far past the deepest position a request has tested its k may reach.
         margin: the predicted gain over plain decoding that speculation must beat (a fraction).
         stay: the predicted loss a drafting request tolerates before it stops (a fraction).
-        first_probe: the largest catch-up, as a fraction of the plain time a new request may
-            still take, that the engine-wide pool pays for its first probe.
+        first_probe: the largest catch-up the engine-wide pool pays for a new request's first
+            probe, as a share of what speculation would save at best over the tokens the
+            request may still take (at the measured costs, with every draft surviving with
+            probability ``predictable``).
+        predictable: the per-position acceptance that stands for "predictable content" in that
+            best case.
         costs: the cost model; a fresh one by default.
     """
 
     def __init__(self, *, prior_acceptance: float = 0.5, request_weight: float = 0.15, prior_trials: int = 1,
                  prior_weight: float = 0.05, explore: float = 0.03, ramp: int = 2, margin: float = 0.02,
-                 stay: float = 0.05, first_probe: float = 0.1, costs: CostModel | None = None) -> None:
+                 stay: float = 0.05, first_probe: float = 0.25, predictable: float = 0.9,
+                 costs: CostModel | None = None) -> None:
         if not 0.0 <= prior_acceptance <= 1.0:
             raise ValueError(f"prior_acceptance must be in [0, 1], got {prior_acceptance}")
         if not (0 < prior_weight <= 1 and 0 < request_weight <= 1):
@@ -340,6 +349,9 @@ class AdaptiveController:
             raise ValueError(f"stay must be in [0, 1), got {stay}")
         if not 0 <= first_probe < 1:
             raise ValueError(f"first_probe must be in [0, 1), got {first_probe}")
+        if not 0 < predictable <= 1:
+            raise ValueError(f"predictable must be in (0, 1], got {predictable}")
+        self.predictable = predictable
         self.ramp, self.margin, self.stay, self.first_probe = ramp, margin, stay, first_probe
         self.pool = 0.0  # engine-wide exploration budget for new requests' first probes (seconds)
         self.prior_calibration: tuple[float, float] | None = None  # (accepted, predicted) EMAs, engine-wide
@@ -368,7 +380,8 @@ class AdaptiveController:
         # A probe: only once the budget covers what catching the drafter up is known to cost.
         elif req.balance >= catch_up:
             req.asked = best
-        elif not req.speculated and self.pool >= catch_up and catch_up <= self.first_probe * self._plain_time(seq):
+        elif not req.speculated and self.pool >= catch_up and \
+                catch_up <= self.first_probe * self._saving(seq, self._best_case(k_max, costs)):
             req.pool_probe = True  # a new request's first probe, paid from the engine-wide pool
             req.asked = best
         return req.asked
@@ -478,6 +491,11 @@ class AdaptiveController:
         prior = self.prior_calibration or (accepted, predicted)
         self.prior_calibration = (_ema(prior[0], accepted, self.prior_weight),
                                   _ema(prior[1], predicted, self.prior_weight))
+
+    def _best_case(self, k_max: int, costs: tuple[float, list[float]]) -> float:
+        """The speedup the measured costs allow on predictable content (every draft surviving
+        with probability ``predictable``): what a probe could find at best."""
+        return max(speedups([self.predictable], *costs))
 
     def _plain_time(self, seq: Seq) -> float:
         """Seconds plain decoding needs for the tokens the request may still generate."""
