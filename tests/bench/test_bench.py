@@ -245,6 +245,16 @@ def test_resume_refuses_a_report_of_another_benchmark(tmp_path, capsys):
     assert "is a finished report: nothing to resume" in capsys.readouterr().err
 
 
+def test_resume_refuses_a_report_timed_on_another_machine(tmp_path):
+    out = tmp_path / "r"
+    with corrupt_registered():
+        make_runner(tmp_path)(out, Settings(max_tokens=3, warmup=False, progress=False))
+    previous = load_report(out / "report.json")
+    previous["machine"]["cpu"] = "AMD EPYC"  # as if the earlier sittings ran on another CPU
+    with corrupt_registered(), pytest.raises(ValueError, match="cannot resume on another machine: cpu is 'cpu' here"):
+        make_runner(tmp_path)(out, Settings(max_tokens=3, warmup=False, progress=False), previous=previous)
+
+
 def test_sampling_runs_report_no_identity_check(tmp_path, capsys):
     with corrupt_registered():
         report = make_runner(tmp_path)(tmp_path / "t1", Settings(max_tokens=3, temperature=1.0, warmup=False,

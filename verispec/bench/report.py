@@ -404,6 +404,9 @@ def load_report(path: Path) -> dict:
 # What must match for an earlier report's blocks to be reused: the same model and weights, the
 # same methods, settings and questions.
 RESUME_KEYS = ("model", "dtype", "quantization", "methods", "settings")
+# ... and the same kind of machine: blocks timed on another CPU or software stack are not
+# comparable with the ones still to run.
+RESUME_MACHINE_KEYS = ("cpu", "cpu_count", "torch_threads", "torch", "transformers", "cuda")
 
 
 def resume_runs(previous: dict, current: dict) -> list[Run]:
@@ -413,6 +416,11 @@ def resume_runs(previous: dict, current: dict) -> list[Run]:
         if previous.get(key) != current.get(key):
             raise ValueError(f"cannot resume: {key} differs from the earlier report's "
                              f"({previous.get(key)!r} there, {current.get(key)!r} now)")
+    before, now = previous.get("machine", {}), current.get("machine", {})
+    for key in RESUME_MACHINE_KEYS:
+        if before.get(key) != now.get(key):
+            raise ValueError(f"cannot resume on another machine: {key} is {now.get(key)!r} here, "
+                             f"{before.get(key)!r} in the earlier report; start a new report instead")
     planned = {(q["question_id"], q["category"]) for q in current["workload"]["questions"]}
     runs = []
     for r in previous.get("runs", []):
