@@ -10,8 +10,9 @@ forward per chunk, all logits kept), so every position is scored with its full l
   bf16 model's (what greedy decoding would pick);
 * **perplexity**: exp of the mean negative log-likelihood of the actual next token.
 
-bf16 long passes compute their dense matmuls in float32 on CPUs without native bf16 (see
-``PREFILL_FP32_MIN_TOKENS``); quantized layers always run their bf16-activation kernels.
+The bf16 model's chunks are run as prefill passes, so on CPUs without native bf16 their dense
+matmuls compute in float32 (see ``PREFILL_MIN_TOKENS``); the quantized models' chunks run as
+decode passes, through their packed kernels, so what is scored is the model that decodes.
 
     python benchmarks/bench_quant_accuracy.py --models smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct
 """
@@ -31,6 +32,7 @@ import torch.nn.modules.linear
 from common import log, machine_load  # benchmarks/common.py
 
 from verispec.models.loader import load_model
+from verispec.models.quant import is_quantized
 from verispec.runtime import set_threads
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -52,11 +54,12 @@ def token_ids(loaded, prose: str, code: str, n: int) -> list[int]:
 def score(model, ids: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Argmax [n-1] and next-token NLL [n-1] of every position but the last."""
     cache = model.new_cache(len(ids) + chunk)
+    quantized = is_quantized(model)
     tokens = torch.tensor([ids])  # [1, n]
     top, nll = [], []
     for start in range(0, len(ids) - 1, chunk):
         stop = min(start + chunk, len(ids) - 1)
-        logits = model(tokens[:, start:stop], torch.arange(start, stop)[None], cache)[0]  # [T, V]
+        logits = model(tokens[:, start:stop], torch.arange(start, stop)[None], cache, prefill=not quantized)[0]  # [T, V]
         top.append(logits.argmax(-1))
         nll.append(F.cross_entropy(logits, tokens[0, start + 1 : stop + 1], reduction="none"))
     return torch.cat(top), torch.cat(nll)

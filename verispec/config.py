@@ -164,7 +164,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_eagle_topk must be an integer >= 1, got {self.speculative_eagle_topk!r}")
         budget = self.num_draft_tokens
         if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= 62):
-            # 62 drafts + the root stay below the decoder's float32 prefill threshold (64 rows).
+            # 62 drafts + the root: a verify pass of at most 63 rows.
             raise ValueError(f"num_draft_tokens must be an integer in 1..62, got {budget!r}")
         if self.tree_children not in TREE_CHILD_MODES:
             raise ValueError(f"tree_children must be one of {', '.join(TREE_CHILD_MODES)}, got {self.tree_children!r}")

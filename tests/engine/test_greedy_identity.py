@@ -13,7 +13,7 @@ from tiny import loaded
 
 # A prompt with repeats, so prompt lookup finds matches.
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]
-# Long enough to take the float32 prefill path on CPUs without native bf16.
+# Long enough to take the prefill path (PREFILL_MIN_TOKENS): float32 on CPUs without native bf16.
 LONG_PROMPT = [(5 * i * i + 3) % 48 for i in range(70)] + PROMPT
 
 

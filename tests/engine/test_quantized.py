@@ -20,7 +20,7 @@ from verispec.spec.draft_model import DraftModelDrafter
 from verispec.spec.ngram import NgramDrafter
 
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]
-LONG_PROMPT = [(5 * i * i + 3) % 48 for i in range(70)] + PROMPT  # takes the long-prefill path
+LONG_PROMPT = [(5 * i * i + 3) % 48 for i in range(70)] + PROMPT  # takes the prefill path (PREFILL_MIN_TOKENS)
 
 
 def make_drafter(kind, draft_model, max_model_len=512):
@@ -34,9 +34,12 @@ def run(target_model, prompt, params, drafter=None, k=0):
     return Engine(loaded(target_model), spec, max_model_len=512, drafter=drafter).generate(prompt, params)
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=[("int8", False), ("int8", True), ("int4", False), ("int4", True)],
+                ids=["int8", "int8-dense-prefill", "int4", "int4-dense-prefill"])
 def quantized_target(request, target):
-    return quantize_(copy.deepcopy(target), request.param)
+    """With and without the dense bf16 copies that a long prompt's prefill multiplies by."""
+    scheme, dense = request.param
+    return quantize_(copy.deepcopy(target), scheme, dense_prefill=dense)
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["short", "long"])

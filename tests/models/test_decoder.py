@@ -116,3 +116,18 @@ def test_truncate_past_length_is_rejected():
 def test_unsupported_architecture_names_it_and_lists_supported():
     with pytest.raises(UnsupportedModelError, match="'GPT2LMHeadModel'.*LlamaForCausalLM, Qwen2ForCausalLM"):
         DecoderConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+
+
+def test_invariant_linear_rows_equal_one_row_products_at_every_width():
+    """A wide output (the gate/up projection, the LM head) is where CPU GEMMs change blocking
+    with the row count: torch 2.13 on an AMX CPU changes a [1, T, 1536] x [17920, 1536] product's
+    rows from T = 13. Verify passes of any width must compute each row as a decode step does."""
+    from verispec.models.decoder import invariant_linear
+
+    torch.manual_seed(0)
+    weight = (torch.randn(17920, 1536) * 0.02).to(torch.bfloat16)
+    bias = torch.randn(17920).to(torch.bfloat16)
+    x = torch.randn(1, 40, 1536).to(torch.bfloat16)
+    one = torch.cat([invariant_linear(x[:, i:i + 1], weight, bias) for i in range(40)], dim=1)
+    for t in (2, 9, 13, 16, 17, 33, 40):
+        assert torch.equal(invariant_linear(x[:, :t], weight, bias), one[:, :t]), t

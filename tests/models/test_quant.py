@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from tiny import tiny_model
+from verispec.models.decoder import PREFILL_MIN_TOKENS
 from verispec.models.quant import Int4Linear, Int8Linear, QuantizationError, is_quantized, quantize_
 from verispec.runtime import physical_cores, set_threads
 
@@ -72,12 +74,48 @@ def test_quantize_replaces_every_projection_and_packs_the_head():
 
 def test_quantized_logits_stay_close_to_bf16_in_decode_and_long_prefill():
     model = tiny_model(seed=4)
-    ids = torch.randint(0, 48, (1, 70))  # 70 tokens: the float32-prefill length for dense layers
-    ref = model(ids, torch.arange(70)[None], model.new_cache(128))
+    ids = torch.randint(0, 48, (1, 70))  # 70 tokens: a prefill of PREFILL_MIN_TOKENS or more
+    ref = model(ids, torch.arange(70)[None], model.new_cache(128), prefill=True)
     quantize_(model, "int8")
-    out = model(ids, torch.arange(70)[None], model.new_cache(128))
-    assert out.shape == ref.shape and out.dtype == torch.float32
-    assert (out - ref).norm() < 0.15 * ref.norm()  # random weights amplify the error
+    for prefill in (False, True):
+        out = model(ids, torch.arange(70)[None], model.new_cache(128), prefill=prefill)
+        assert out.shape == ref.shape and out.dtype == torch.float32
+        assert (out - ref).norm() < 0.15 * ref.norm()  # random weights amplify the error
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_only_a_marked_long_prefill_multiplies_by_the_dense_copy(scheme, monkeypatch):
+    """The dense bf16 copy serves a prompt's prefill of PREFILL_MIN_TOKENS or more; decode and
+    verify passes, however wide, keep the packed kernels (their rows are batch invariant)."""
+    model = quantize_(tiny_model(seed=7), scheme, dense_prefill=True)
+    layer_type = type(model.layers[0].qkv)
+    calls = []
+    real = layer_type.dense_forward
+    monkeypatch.setattr(layer_type, "dense_forward", lambda self, x: calls.append(x.shape[1]) or real(self, x))
+    ids = torch.randint(0, 48, (1, PREFILL_MIN_TOKENS + 6))
+    positions = torch.arange(ids.shape[1])[None]
+    dense = model(ids, positions, model.new_cache(128), prefill=True)
+    assert len(calls) == 4 * len(model.layers) and set(calls) == {ids.shape[1]}  # qkv, o, gate_up, down
+    calls.clear()
+    packed = model(ids, positions, model.new_cache(128))  # as wide, but not a prefill
+    model(ids[:, :PREFILL_MIN_TOKENS - 1], positions[:, :PREFILL_MIN_TOKENS - 1], model.new_cache(128), prefill=True)
+    assert calls == []
+    # The same quantized model, rounded once more: close, and not computed the same way.
+    assert not torch.equal(dense, packed)
+    assert (dense - packed).norm() < 0.05 * packed.norm()
+
+
+def test_dense_copies_are_bf16_dequantized_weights_and_optional():
+    base = tiny_model(seed=8)
+    for scheme in ("int8", "int4"):
+        kept = quantize_(copy.deepcopy(base), scheme, dense_prefill=True)
+        layer = kept.layers[0].gate_up
+        assert layer.dense.dtype == torch.bfloat16
+        # the dequantized weight, rounded to bf16 (relative error at most 2^-8)
+        assert torch.allclose(layer.dense.float(), layer.dequantize(), rtol=2 ** -8, atol=1e-6)
+        lean = quantize_(copy.deepcopy(base), scheme, dense_prefill=False)
+        assert all(getattr(m, "dense", None) is None for m in lean.modules())
+    assert kept.lm_head.dense is None  # the head only ever sees the last prompt row
 
 
 def test_tied_embeddings_get_a_packed_head_copy():
@@ -127,3 +165,17 @@ def test_cli_flags_reach_the_parser():
     assert (defaults.quantization, defaults.compile, defaults.threads) == ("none", False, None)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "m", "p", "--quantization", "int3"])
+
+
+@pytest.mark.skipif(not os.path.isfile("/proc/cpuinfo"), reason="needs /proc/cpuinfo (Linux)")
+def test_native_bf16_probe_agrees_with_the_cpu_flags():
+    """The probe that picks the prefill path (and whether quantized layers keep dense copies)
+    must see what the kernel reports: a wrong answer silently costs a 5x slower prefill."""
+    from verispec.models.decoder import cpu_has_native_bf16
+
+    flags = set()
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    assert cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})

@@ -221,7 +221,7 @@ class Engine:
         self.cache.reset(seq.slot)
         ids = torch.tensor([prompt_ids], device=self.model.device)  # [1, P]
         positions = torch.arange(len(prompt_ids), device=self.model.device)[None]  # [1, P]
-        logits = self.model(ids, positions, self.cache, slots=[seq.slot], num_logits=1)  # [1, 1, V]
+        logits = self.model(ids, positions, self.cache, slots=[seq.slot], num_logits=1, prefill=True)  # [1, 1, V]
         result = self._verify_logits(seq, EMPTY_PROPOSAL, logits)
         seq.append(result.committed(0))
         if self.drafter is not None and not seq.finished:

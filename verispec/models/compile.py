@@ -56,21 +56,21 @@ class CompiledSteps(LayerSteps):
         self._output = torch.compile(DecoderLayer.output, dynamic=False)
 
     def attention_inputs(self, layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor,
-                         fp32: bool) -> tuple[Tensor, Tensor, Tensor]:
+                         prefill: bool) -> tuple[Tensor, Tensor, Tensor]:
         t = x.shape[1]  # x: [B, T, hidden]; cos, sin: [B, 1, T, D]
         size = bucket(t)
         if size is None:
-            return layer.attention_inputs(x, cos, sin, fp32)
+            return layer.attention_inputs(x, cos, sin, prefill)
         extra = size - t
-        q, k, v = self._attention_inputs(layer, _pad(x, extra, -2), _pad(cos, extra, -2), _pad(sin, extra, -2), fp32)
+        q, k, v = self._attention_inputs(layer, _pad(x, extra, -2), _pad(cos, extra, -2), _pad(sin, extra, -2), prefill)
         return q[:, :, :t], k[:, :, :t], v[:, :, :t]  # [B, heads, T, D]
 
-    def output(self, layer: DecoderLayer, x: Tensor, attn: Tensor, fp32: bool) -> Tensor:
+    def output(self, layer: DecoderLayer, x: Tensor, attn: Tensor, prefill: bool) -> Tensor:
         t = x.shape[1]  # x: [B, T, hidden]; attn: [B, T, H*D]
         size = bucket(t)
         if size is None:
-            return layer.output(x, attn, fp32)
-        return self._output(layer, _pad(x, size - t, -2), _pad(attn, size - t, -2), fp32)[:, :t]
+            return layer.output(x, attn, prefill)
+        return self._output(layer, _pad(x, size - t, -2), _pad(attn, size - t, -2), prefill)[:, :t]
 
 
 def compile_decoder(model: Decoder) -> Decoder:

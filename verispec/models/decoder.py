@@ -150,32 +150,84 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-# Passes with at least this many new tokens per row (prompt prefill) may compute in float32 on
-# CPUs without native bf16 arithmetic, where a bf16 GEMM is several times slower than upcasting
-# the weight and running an fp32 GEMM (measured 5.5x at 800 rows on an AVX2 machine). Decode and
-# verify passes stay far below it, so their rows keep the batch-invariant bf16 path; a prompt is
-# prefilled the same way by plain and speculative decoding, so exactness is unaffected.
-PREFILL_FP32_MIN_TOKENS = 64
+# A prompt's prefill (the engine's first pass over a prompt, and a draft model's first read of
+# it) with at least this many tokens may take a faster path than decode steps: on CPUs without
+# native bf16 arithmetic it computes in float32, where a bf16 GEMM is several times slower than
+# upcasting the weight and running an fp32 GEMM (measured 5.5x at 800 rows on an AVX2 machine);
+# on CPUs with it (AVX512-BF16, AMX), packed quantized layers multiply by a dense bf16 copy of
+# their weight instead of running their packed kernel, which is built for few rows (a
+# 709-token prompt: 11.8 s through the int4 kernel on an AMX Xeon, against ~1.4 s for a bf16
+# GEMM); dense layers run one GEMM over all rows instead of row-invariant chunks
+# (:func:`invariant_linear`). Only a pass the caller marks as a prefill takes it, so decode and
+# verify passes, however wide, keep the batch-invariant path; a prompt is prefilled the same way
+# by plain and speculative decoding, so exactness is unaffected.
+PREFILL_MIN_TOKENS = 64
 
 
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX)."""
-    cpu = getattr(torch._C, "_cpu", None)
+    # torch.cpu carries the probes in current releases; torch._C._cpu held them in older ones.
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return bool(cpu) and any(getattr(cpu, name, lambda: False)() for name in checks)
+    for module in (torch.cpu, getattr(torch._C, "_cpu", None)):
+        if module is not None and any(hasattr(module, name) for name in checks):
+            return any(getattr(module, name, lambda: False)() for name in checks)
+    return False
 
 
-def linear(layer: nn.Module, x: Tensor, fp32: bool) -> Tensor:
-    """``layer(x)``, computed in float32 (and cast back) when ``fp32`` is set.
+def _upcast(x: Tensor) -> bool:
+    """Whether a prefill pass computes in float32: half-precision activations on a CPU without
+    native bf16 arithmetic."""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and not cpu_has_native_bf16()
 
-    Only dense ``nn.Linear`` layers switch to float32; packed quantized layers
-    (:mod:`verispec.models.quant`) always run their own bf16 kernel.
+
+# Dense matmuls of decode and verify passes run on at most this many rows at a time.
+ROW_CHUNK = 16
+
+
+def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` with every output row computed as it would be alone.
+
+    CPU GEMM libraries pick their kernel and blocking from the problem shape, so a row's last
+    bits can change with the number of rows beside it. Measured with torch 2.13 on an AMX Xeon
+    (native bf16): a one-row bf16 product takes another kernel than a multi-row one, and with the
+    1.5B model's real weights the 8960-wide down projection already differs at 2-4 rows; a
+    ``[1, T, K]`` input with a wide output (gate/up, LM head) changes from T = 13. So the input
+    is flattened to 2-D and multiplied ``ROW_CHUNK`` rows at a time, and on such CPUs each chunk
+    of bf16 rows is padded with zero rows to ``ROW_CHUNK``: every pass, a one-token decode step
+    included, then runs the same kernel on the same shape, and a row's result depends only on
+    that row. Padding costs little there (the product is bound by reading the weight, and AMX
+    computes 16 rows in about the time of one: +1-7% per layer, 25 -> 38 ms for the 151936-wide
+    tied LM head of a bf16 model); without native bf16 a multi-row bf16 product is compute bound,
+    the kernels there keep rows invariant unpadded (tested), and none is added.
     """
-    if not fp32 or not isinstance(layer, nn.Linear):
+    x2 = x.reshape(-1, x.shape[-1])
+    pad = x2.device.type == "cpu" and x2.dtype == torch.bfloat16 and cpu_has_native_bf16()
+    outs = []
+    for rows in x2.split(ROW_CHUNK):
+        n = rows.shape[0]
+        if pad and n < ROW_CHUNK:
+            rows = torch.cat((rows, rows.new_zeros(ROW_CHUNK - n, rows.shape[1])))
+        outs.append(F.linear(rows, weight, bias)[:n])
+    y = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def linear(layer: nn.Module, x: Tensor, prefill: bool) -> Tensor:
+    """``layer(x)`` with dense layers made row invariant (:func:`invariant_linear`), or on a
+    prefill pass its faster prefill form (see ``PREFILL_MIN_TOKENS``): a packed quantized
+    layer's dense bf16 copy where it keeps one, a dense ``nn.Linear`` in one GEMM, in float32
+    where :func:`_upcast` says so."""
+    if prefill:
+        if getattr(layer, "dense", None) is not None:
+            return layer.dense_forward(x)
+        if isinstance(layer, nn.Linear) and _upcast(x):
+            bias = None if layer.bias is None else layer.bias.float()
+            return F.linear(x.float(), layer.weight.float(), bias).to(x.dtype)
         return layer(x)
-    bias = None if layer.bias is None else layer.bias.float()
-    return F.linear(x.float(), layer.weight.float(), bias).to(x.dtype)
+    if isinstance(layer, nn.Linear):
+        return invariant_linear(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
@@ -266,35 +318,35 @@ class DecoderLayer(nn.Module):
         slots: list[int],
         mask: Tensor | RowKeys,  # [B, 1, T, S] bool, True = attend; RowKeys for masked passes
         attend_len: int,
-        fp32: bool,  # compute matmuls in float32 (long prefill on CPUs without bf16 units)
+        prefill: bool,  # a long prompt's prefill: its faster path (see PREFILL_MIN_TOKENS)
         steps: LayerSteps,  # runs the two dense halves (eager or compiled)
     ) -> Tensor:
         b, t, _ = x.shape
-        q, k, v = steps.attention_inputs(self, x, cos, sin, fp32)
+        q, k, v = steps.attention_inputs(self, x, cos, sin, prefill)
         cache.write(layer, slots, k, v)
         keys, values = cache.view(layer, slots, attend_len)  # [B, Hkv, S, D]
         if isinstance(mask, RowKeys):
             attn = row_attention(q, keys, values, mask)  # [B, H, T, D]
-        elif fp32:
+        elif prefill and _upcast(x):
             attn = grouped_attention(q.float(), keys.float(), values.float(), mask).to(x.dtype)
         else:
             attn = grouped_attention(q, keys, values, mask)  # [B, H, T, D]
-        return steps.output(self, x, attn.transpose(1, 2).reshape(b, t, -1), fp32)
+        return steps.output(self, x, attn.transpose(1, 2).reshape(b, t, -1), prefill)
 
-    def attention_inputs(self, x: Tensor, cos: Tensor, sin: Tensor, fp32: bool) -> tuple[Tensor, Tensor, Tensor]:
+    def attention_inputs(self, x: Tensor, cos: Tensor, sin: Tensor, prefill: bool) -> tuple[Tensor, Tensor, Tensor]:
         """Norm, fused q/k/v projection and RoPE: q [B, H, T, D], k and v [B, Hkv, T, D]. Row-wise."""
         b, t, _ = x.shape
-        q, k, v = linear(self.qkv, self.input_norm(x), fp32).split(self.split, dim=-1)
+        q, k, v = linear(self.qkv, self.input_norm(x), prefill).split(self.split, dim=-1)
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
-    def output(self, x: Tensor, attn: Tensor, fp32: bool) -> Tensor:
+    def output(self, x: Tensor, attn: Tensor, prefill: bool) -> Tensor:
         """Output projection and MLP, each with its residual; attn is [B, T, H*D]. Row-wise."""
-        x = x + linear(self.o_proj, attn, fp32)
-        gate, up = linear(self.gate_up, self.post_attn_norm(x), fp32).chunk(2, dim=-1)
-        return x + linear(self.down, F.silu(gate) * up, fp32)
+        x = x + linear(self.o_proj, attn, prefill)
+        gate, up = linear(self.gate_up, self.post_attn_norm(x), prefill).chunk(2, dim=-1)
+        return x + linear(self.down, F.silu(gate) * up, prefill)
 
 
 class LayerSteps:
@@ -305,11 +357,11 @@ class LayerSteps:
     """
 
     def attention_inputs(self, layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor,
-                         fp32: bool) -> tuple[Tensor, Tensor, Tensor]:
-        return layer.attention_inputs(x, cos, sin, fp32)
+                         prefill: bool) -> tuple[Tensor, Tensor, Tensor]:
+        return layer.attention_inputs(x, cos, sin, prefill)
 
-    def output(self, layer: DecoderLayer, x: Tensor, attn: Tensor, fp32: bool) -> Tensor:
-        return layer.output(x, attn, fp32)
+    def output(self, layer: DecoderLayer, x: Tensor, attn: Tensor, prefill: bool) -> Tensor:
+        return layer.output(x, attn, prefill)
 
 
 EAGER_STEPS = LayerSteps()
@@ -367,6 +419,7 @@ class Decoder(nn.Module):
         slots: list[int] | None = None,
         num_logits: int | None = None,
         output_hidden_states: bool = False,
+        prefill: bool = False,
     ) -> Tensor | DecoderOutput:
         """Run T new tokens per row, append their K/V to the cache and return logits.
 
@@ -374,7 +427,9 @@ class Decoder(nn.Module):
         ``kv_cache.lengths[slots[b]] + [0, T)``. Without it the mask is causal (plus the sliding
         window, if any). ``num_logits`` computes logits for the last n rows only (prefill needs
         just the last). A masked pass computes every row as a decode step would (see
-        :func:`row_attention`), so tree rows are bitwise equal to plain decoding. Returns float32 logits ``[B, n, vocab]``, or a :class:`DecoderOutput`
+        :func:`row_attention`), so tree rows are bitwise equal to plain decoding. ``prefill``
+        marks a prompt's first pass, which may take the faster path of ``PREFILL_MIN_TOKENS``;
+        no other pass does. Returns float32 logits ``[B, n, vocab]``, or a :class:`DecoderOutput`
         with hidden states when ``output_hidden_states``.
         """
         b, t = token_ids.shape
@@ -392,18 +447,16 @@ class Decoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-        fp32 = (
-            attn_mask is None
-            and t >= PREFILL_FP32_MIN_TOKENS
-            and self.dtype in (torch.bfloat16, torch.float16)
-            and self.device.type == "cpu"
-            and not cpu_has_native_bf16()
+        fast = (
+            prefill
+            and attn_mask is None
+            and t >= PREFILL_MIN_TOKENS
         )
-        steps = EAGER_STEPS if fp32 else self.steps
+        steps = EAGER_STEPS if fast else self.steps
         x = self.embed(token_ids)  # [B, T, hidden]
         hidden = [x] if output_hidden_states else None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache, i, slots, keys, attend_len, fp32, steps)
+            x = layer(x, cos, sin, kv_cache, i, slots, keys, attend_len, fast, steps)
             if hidden is not None and i < len(self.layers) - 1:
                 hidden.append(x)
         kv_cache.advance(slots, t)
@@ -413,7 +466,11 @@ class Decoder(nn.Module):
         if num_logits is not None:
             x = x[:, -num_logits:]
         head = self.lm_head  # None: tied to the embedding table; else nn.Linear or a quantized layer
-        logits = (F.linear(x, self.embed.weight) if head is None else head(x)).float()
+        if head is None or isinstance(head, nn.Linear):
+            weight, bias = (self.embed.weight, None) if head is None else (head.weight, head.bias)
+            logits = invariant_linear(x, weight, bias).float()
+        else:
+            logits = head(x).float()
         return DecoderOutput(logits, hidden) if output_hidden_states else logits
 
     def _mask(

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from verispec.config import SpeculativeConfig
 from verispec.engine.sequence import Sequence
-from verispec.models.decoder import PREFILL_FP32_MIN_TOKENS
+from verispec.models.decoder import PREFILL_MIN_TOKENS
 from verispec.sampling import logits_to_probs, sample
 from verispec.spec.base import DrafterContext, Outcome, Proposal, register_drafter
 
@@ -46,8 +46,9 @@ def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
-# Catch-up passes over generated tokens stay below the decoder's float32 prefill threshold.
-DECODE_CHUNK = PREFILL_FP32_MIN_TOKENS - 1
+# Catch-up passes over generated tokens are short, like the target's verify passes (they are not
+# marked as a prefill, so this is not needed for exactness, only to keep them cheap to compile).
+DECODE_CHUNK = PREFILL_MIN_TOKENS - 1
 
 
 class DraftModelDrafter:
@@ -78,7 +79,8 @@ class DraftModelDrafter:
         bounds += list(range(max(start, len(seq.prompt_ids)) + DECODE_CHUNK, stop, DECODE_CHUNK)) + [stop]
         for end in bounds:
             if end > start:
-                self._forward(slot, ids[start:end])
+                # the prompt in one pass from the start, as the target's prefill read it
+                self._forward(slot, ids[start:end], prefill=start == 0 and end == len(seq.prompt_ids))
                 start = end
 
     def propose(self, seq: Sequence, k: int) -> Proposal:
@@ -112,13 +114,13 @@ class DraftModelDrafter:
         self._round_start.pop(seq.slot, None)
         self.cache.reset(seq.slot)
 
-    def _forward(self, slot: int, tokens: list[int]) -> torch.Tensor:
+    def _forward(self, slot: int, tokens: list[int], prefill: bool = False) -> torch.Tensor:
         """Feed ``tokens``; return the next-token logits over the target's vocabulary [V_target]."""
         start = self.cache.length(slot)
         device = self.model.device
         ids = torch.tensor([tokens], device=device)  # [1, T]
         positions = torch.arange(start, start + len(tokens), device=device)[None]  # [1, T]
-        logits = self.model(ids, positions, self.cache, slots=[slot], num_logits=1)[0, -1]  # [V_draft]
+        logits = self.model(ids, positions, self.cache, slots=[slot], num_logits=1, prefill=prefill)[0, -1]  # [V_draft]
         return self._align_vocab(logits)
 
     def _align_vocab(self, logits: torch.Tensor) -> torch.Tensor:
