@@ -207,7 +207,7 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     for rows in x2.split(ROW_CHUNK):
         n = rows.shape[0]
         if pad and n < ROW_CHUNK:
-            rows = torch.cat((rows, rows.new_zeros(ROW_CHUNK - n, rows.shape[1])))
+            rows = F.pad(rows, (0, 0, 0, ROW_CHUNK - n))  # zero rows below
         outs.append(F.linear(rows, weight, bias)[:n])
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
     return y.view(*x.shape[:-1], y.shape[-1])
