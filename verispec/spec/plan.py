@@ -112,7 +112,7 @@ def step_times(model: Decoder, widths: range, batch_size: int, repeats: int) -> 
     ids = torch.randint(vocab, (batch_size, context), generator=gen).to(device)  # [B, context]
     positions = torch.arange(context, device=device).expand(batch_size, -1)  # [B, context]
     with torch.inference_mode():
-        model(ids, positions, cache, slots=slots, num_logits=1)
+        model(ids, positions, cache, slots=slots, num_logits=1, prefill=True)  # the context, as the engine reads a prompt
         times: dict[int, float] = {}
         for n in widths:
             new = torch.randint(vocab, (batch_size, n), generator=gen).to(device)  # [B, n]
