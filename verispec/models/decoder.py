@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -206,16 +206,31 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
         # product keeps rows invariant across buckets; chunking or padding here broke that
         # (tests/models/test_compile.py).
         return F.linear(x, weight, bias)
-    x2 = x.reshape(-1, x.shape[-1])
-    pad = x2.device.type == "cpu" and x2.dtype == torch.bfloat16 and cpu_has_native_bf16()
+    y = _by_row_chunks(x.reshape(-1, x.shape[-1]), lambda rows: F.linear(rows, weight, bias))
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.matmul(a, b)`` for ``a [..., M, K]``, with every row of ``a`` computed as it
+    would be alone (see :func:`invariant_linear`). Attention needs it too: on an AMX Xeon the
+    probs @ V product of 42 rows (7 tokens x 6 query heads per KV head) and of 6 rows (one
+    decode step) round differently over 768 keys, which made a Qwen 1.5B verify pass of 7
+    tokens disagree with plain decoding."""
+    return _by_row_chunks(a, lambda rows: torch.matmul(rows, b))
+
+
+def _by_row_chunks(x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """``fn`` applied to ``x [..., M, K]`` ``ROW_CHUNK`` rows (dim -2) at a time, each chunk of
+    bf16 rows zero-padded to ``ROW_CHUNK`` on CPUs with native bf16; ``fn`` must be row-wise."""
+    pad = x.device.type == "cpu" and x.dtype == torch.bfloat16 and cpu_has_native_bf16()
     outs = []
-    for rows in x2.split(ROW_CHUNK):
-        n = rows.shape[0]
+    for rows in x.split(ROW_CHUNK, dim=-2):
+        n = rows.shape[-2]
         if pad and n < ROW_CHUNK:
             rows = F.pad(rows, (0, 0, 0, ROW_CHUNK - n))  # zero rows below
-        outs.append(F.linear(rows, weight, bias)[:n])
-    y = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return y.view(*x.shape[:-1], y.shape[-1])
+        out = fn(rows)
+        outs.append(out if out.shape[-2] == n else out[..., :n, :])
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
 def linear(layer: nn.Module, x: Tensor, prefill: bool) -> Tensor:
@@ -248,10 +263,10 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     hkv = k.shape[1]
     g = h // hkv
     qg = q.reshape(b, hkv, g * t, d)  # rows ordered (head-in-group, token)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (d**-0.5)  # [B, Hkv, G*T, S]
+    scores = invariant_matmul(qg, k.transpose(-1, -2)).float() * (d**-0.5)  # [B, Hkv, G*T, S]
     scores = scores.view(b, hkv, g, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, g * t, -1)
-    return torch.matmul(probs, v).view(b, h, t, d)
+    return invariant_matmul(probs, v).reshape(b, h, t, d)
 
 
 @dataclass(frozen=True)
@@ -292,10 +307,10 @@ def row_attention(q: Tensor, k: Tensor, v: Tensor, rows: RowKeys) -> Tensor:
     keys = k[:, :, None].expand(b, hkv, t, s, d).gather(3, idx)  # [B, Hkv, T, S, D]
     values = v[:, :, None].expand(b, hkv, t, s, d).gather(3, idx)
     qg = q.reshape(b, hkv, g, t, d).transpose(2, 3)  # [B, Hkv, T, G, D]
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * (d**-0.5)  # [B, Hkv, T, G, S]
+    scores = invariant_matmul(qg, keys.transpose(-1, -2)).float() * (d**-0.5)  # [B, Hkv, T, G, S]
     scores = scores.masked_fill(~rows.mask[:, None, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, values)  # [B, Hkv, T, G, D]
+    out = invariant_matmul(probs, values)  # [B, Hkv, T, G, D]
     return out.transpose(2, 3).reshape(b, h, t, d)
 
 
