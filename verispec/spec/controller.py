@@ -52,7 +52,8 @@ time minus T_target(1) per token it committed); the balance never rises above ze
 drafting, so gains are not saved up to pay for later losses. A probe is made when the balance is
 not negative and covers the probe's known catch-up cost: a draft model must first read every
 token it has not seen (the prompt of a new request, whatever plain rounds committed), and the
-cost model learns that time per token from the first drafting rounds after idling (prompt
+cost model learns that time from the first drafting rounds after idling, as a line in the
+tokens missed (a short prompt costs a draft model more per token than a long one; prompt
 lookup's is ~0). The round that showed speculation stopped paying has already charged its loss,
 so the first probe waits for it to be earned back. Nor does a predicted gain start drafting by
 itself when the catch-up costs more than that gain can save over the tokens the request has
@@ -238,21 +239,54 @@ class CostModel:
     draft_s_per_token: float | None = None
     catch_up_s_per_token: float | None = None
     extra_positions: int = 0  # what the drafter adds to a verify pass besides its drafts (last seen)
+    # Recent catch-up rounds as (missed tokens, seconds without the round's own drafts). A draft
+    # model's catch-up is not proportional to what it missed: it reads a prompt of 20 tokens at
+    # ~6.7 ms a token and one of 100 at ~2.1 (a 0.5B int4 draft on an AMX Xeon; long prompts take
+    # the prefill path), so its cost is fitted as a line over these, as T_target(n) is.
+    catch_up_samples: list[tuple[int, float]] = field(default_factory=list)
+    max_catch_up_samples: int = 8
+    # A catch-up round seen before any draft step was timed: (missed, drafted, seconds). Its
+    # sample counts the round's drafts as catch-up until the first drafting round times a draft.
+    _unsettled: tuple[int, int, float] | None = None
 
     def observe_target(self, n: int, seconds: float) -> None:
         self.target_s[n] = _ema(self.target_s.get(n), seconds, self.weight)
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         self.draft_s_per_token = _ema(self.draft_s_per_token, seconds / tokens, self.weight)
+        if self._unsettled is not None:
+            missed, drafted, round_s = self._unsettled
+            self._unsettled = None
+            self.catch_up_samples.pop()
+            self._add_catch_up(missed, max(round_s - drafted * self.draft_s_per_token, 0.0), replace=True)
 
     def observe_catch_up(self, missed: int, drafted: int, seconds: float) -> None:
         """A first drafting round after ``missed`` unseen tokens (the prompt, plain rounds)."""
         if missed > 0:  # until the per-draft cost is known, all of the round's drafting counts
+            if self.draft_s_per_token is None:
+                self._unsettled = (missed, drafted, seconds)
             extra = max(seconds - drafted * (self.draft_s_per_token or 0.0), 0.0)
-            self.catch_up_s_per_token = _ema(self.catch_up_s_per_token, extra / missed, self.weight)
+            self._add_catch_up(missed, extra)
+
+    def _add_catch_up(self, missed: int, seconds: float, replace: bool = False) -> None:
+        self.catch_up_samples.append((missed, seconds))
+        del self.catch_up_samples[:-self.max_catch_up_samples]
+        if replace:  # a settled first sample stands for the provisional one it replaces
+            self.catch_up_s_per_token = seconds / missed
+        else:
+            self.catch_up_s_per_token = _ema(self.catch_up_s_per_token, seconds / missed, self.weight)
 
     def catch_up_time(self, missed: int) -> float:
-        """Predicted seconds to catch a drafter up on ``missed`` tokens; 0 until measured."""
+        """Predicted seconds to catch a drafter up on ``missed`` tokens; 0 until measured. The
+        least-squares line through the recent samples once they hold two different lengths
+        (with its intercept at least 0 and its slope positive), else the per-token EMA."""
+        points = self.catch_up_samples
+        if missed <= 0 or not points:
+            return 0.0
+        if len({m for m, _ in points}) > 1:
+            intercept, slope = fit_line(points)
+            if slope > 0:
+                return max(intercept, 0.0) + slope * missed
         return missed * (self.catch_up_s_per_token or 0.0)
 
     def target_time(self, n: int) -> float | None:
