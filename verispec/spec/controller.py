@@ -254,11 +254,12 @@ class CostModel:
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
         self.draft_s_per_token = _ema(self.draft_s_per_token, seconds / tokens, self.weight)
-        if self._unsettled is not None:
+        if self._unsettled is not None:  # the latest catch-up sample is provisional: settle it
             missed, drafted, round_s = self._unsettled
             self._unsettled = None
-            self.catch_up_samples.pop()
-            self._add_catch_up(missed, max(round_s - drafted * self.draft_s_per_token, 0.0), replace=True)
+            settled = max(round_s - drafted * self.draft_s_per_token, 0.0)
+            self.catch_up_samples[-1] = (missed, settled)
+            self.catch_up_s_per_token = settled / missed
 
     def observe_catch_up(self, missed: int, drafted: int, seconds: float) -> None:
         """A first drafting round after ``missed`` unseen tokens (the prompt, plain rounds)."""
@@ -266,15 +267,9 @@ class CostModel:
             if self.draft_s_per_token is None:
                 self._unsettled = (missed, drafted, seconds)
             extra = max(seconds - drafted * (self.draft_s_per_token or 0.0), 0.0)
-            self._add_catch_up(missed, extra)
-
-    def _add_catch_up(self, missed: int, seconds: float, replace: bool = False) -> None:
-        self.catch_up_samples.append((missed, seconds))
-        del self.catch_up_samples[:-self.max_catch_up_samples]
-        if replace:  # a settled first sample stands for the provisional one it replaces
-            self.catch_up_s_per_token = seconds / missed
-        else:
-            self.catch_up_s_per_token = _ema(self.catch_up_s_per_token, seconds / missed, self.weight)
+            self.catch_up_samples.append((missed, extra))
+            del self.catch_up_samples[:-self.max_catch_up_samples]
+            self.catch_up_s_per_token = _ema(self.catch_up_s_per_token, extra / missed, self.weight)
 
     def catch_up_time(self, missed: int) -> float:
         """Predicted seconds to catch a drafter up on ``missed`` tokens; 0 until measured. The
