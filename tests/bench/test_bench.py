@@ -34,7 +34,9 @@ QUESTIONS = [
     {"question_id": 3, "category": "beta", "turns": ["xyzxyz xyz"]},
     {"question_id": 4, "category": "gamma", "turns": ["hello hello"]},
 ]
-METHODS = "plain,ngram@k=3,prompt_lookup_max=2,draft_model:tiny-draft@k=2,corrupt@k=2"
+# The draft method keeps a fixed k: the tiny draft costs as much as the tiny target, so an
+# adaptive controller (rightly) would not draft, and the report would have no acceptance to show.
+METHODS = "plain,ngram@k=3,prompt_lookup_max=2,draft_model:tiny-draft@k=2,adaptive=false,corrupt@k=2"
 MAX_TOKENS = 8
 
 
@@ -124,7 +126,7 @@ def test_report_is_complete_and_flags_the_broken_method(full_run):
     assert json.loads(last) == {k: v for k, v in on_disk.items() if k != "runs"}
     assert "| corrupt@k=2 |" in stdout and "PARTIAL" not in stdout
 
-    labels = ["plain", "ngram@k=3,prompt_lookup_max=2", "draft_model:tiny-draft@k=2", "corrupt@k=2"]
+    labels = ["plain", "ngram@k=3,prompt_lookup_max=2", "draft_model:tiny-draft@k=2,adaptive=false", "corrupt@k=2"]
     assert list(report["results"]) == labels
     for label in labels:
         assert set(report["results"][label]) == {"alpha", "beta", "gamma", "overall"}
@@ -230,7 +232,7 @@ def test_resume_runs_only_the_missing_blocks_and_keeps_the_earlier_ones(tmp_path
     alpha = report["results"]["ngram@k=3,prompt_lookup_max=2"]["alpha"]
     assert alpha["mean_acceptance_length"] == first["results"]["ngram@k=3,prompt_lookup_max=2"]["alpha"][
         "mean_acceptance_length"]
-    assert report["results"]["draft_model:tiny-draft@k=2"]["overall"]["per_position_acceptance"]
+    assert report["results"]["draft_model:tiny-draft@k=2,adaptive=false"]["overall"]["per_position_acceptance"]
 
 
 def test_resume_refuses_a_report_of_another_benchmark(tmp_path, capsys):

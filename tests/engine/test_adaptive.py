@@ -88,6 +88,28 @@ def test_any_choice_of_k_leaves_greedy_output_unchanged(target, draft, plain_out
     assert 0 < seq.metrics.num_drafts < seq.metrics.num_rounds
 
 
+@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+def test_an_engine_calibrates_the_adaptive_controller_it_builds(target, draft, plain_output, kind):
+    """Warm timings of every verify width and of the draft model seed the cost model, so the
+    first decisions do not rest on cold first runs; the scratch slot is left empty."""
+    eng = engine(target, make_drafter(kind, draft), 4)
+    costs = eng.controller.costs
+    assert isinstance(eng.controller, AdaptiveController)
+    assert sorted(costs.target_s) == [1, 2, 3, 4, 5] and all(t > 0 for t in costs.target_s.values())
+    assert eng.cache.length(0) == 0
+    if kind == "draft_model":
+        assert costs.draft_s_per_token > 0
+        assert [m for m, _ in costs.catch_up_samples] == list(DraftModelDrafter.CALIBRATION_READS)
+        assert eng.drafter.cache.length(0) == 0
+        assert costs.catch_up_time(100) > 0
+    else:  # prompt lookup has no calibration: its cost is measured by its rounds
+        assert costs.draft_s_per_token is None and not costs.catch_up_samples
+    assert eng.generate(PROMPT, GREEDY).output_ids == plain_output
+    # A controller passed in keeps the costs it came with.
+    given = Recording()
+    assert engine(target, make_drafter(kind, draft), 4, given).controller is given and not given.costs.target_s
+
+
 def test_controller_choosing_too_many_drafts_is_an_error(target, draft):
     class Greedy(RandomK):
         def choose_k(self, seq, k_max):

@@ -18,6 +18,9 @@ settings and generator, and returns q with the tokens, so verification stays exa
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 from typing import TYPE_CHECKING
@@ -113,6 +116,31 @@ class DraftModelDrafter:
     def finish(self, seq: Sequence) -> None:
         self._round_start.pop(seq.slot, None)
         self.cache.reset(seq.slot)
+
+    CALIBRATION_READS = (32, 64, 128, 256)  # prompt lengths timed by :meth:`calibrate`
+
+    def calibrate(self, slot: int, token: int) -> tuple[float, list[tuple[int, float]]]:
+        """Warm timings for a cost model: (seconds per draft step, [(prompt length, seconds to
+        read it)]), from warm runs (the first run of each shape is cold). Leaves ``slot`` empty."""
+        room = self.cache.max_len - 2
+        reads = []
+        for length in [n for n in self.CALIBRATION_READS if n <= room] or [max(room, 1)]:
+            times = []
+            for _ in range(3):
+                self.cache.reset(slot)
+                t0 = time.perf_counter()
+                self._forward(slot, [token] * length, prefill=True)
+                times.append(time.perf_counter() - t0)
+            reads.append((length, min(times[1:])))
+        steps = []
+        for _ in range(4):  # decode steps after the last read (the first is cold)
+            if self.cache.length(slot) >= self.cache.max_len:
+                break
+            t0 = time.perf_counter()
+            self._forward(slot, [token])
+            steps.append(time.perf_counter() - t0)
+        self.cache.reset(slot)
+        return (statistics.median(steps[1:] or steps), reads)
 
     def _forward(self, slot: int, tokens: list[int], prefill: bool = False) -> torch.Tensor:
         """Feed ``tokens``; return the next-token logits over the target's vocabulary [V_target]."""
