@@ -50,10 +50,11 @@ shape pays one-time set-up (kernel primitives, allocation): on the 2-vCPU Xeon a
 3-position verify of the 1.5B int4 target took 162 ms against ~106 warm, and a cold 34-token
 prompt read by the 0.5B draft 492 ms against ~200. A controller that learned those first
 samples priced drafting out and, drafting never again, never measured it anew. So an engine
-that builds an :class:`~verispec.spec.controller.AdaptiveController` (``"adaptive": true``) runs each verify width
-1..k+1 on a scratch slot when it is built (one cold run, then the median of three), and the drafter's own calibration when it has
-one (:meth:`DraftModelDrafter.calibrate`: prompt reads and draft steps), and seeds the cost
-model with the warm timings. Rounds then refine them as usual.
+that builds an :class:`~verispec.spec.controller.AdaptiveController` (``"adaptive": true``)
+runs each verify width 1..k+1 on a scratch slot when it is built (one cold run, then the median
+of three), and the drafter's own calibration when it has one (``calibrate``, see
+:mod:`verispec.spec.base`), and seeds the cost model with the warm timings. Rounds then refine
+them as usual.
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@ Life cycle of one request::
 
 A proposal is a chain unless it carries ``parents``: then its tokens are the nodes of a draft
 tree (see :mod:`verispec.spec.tree`) verified in one target pass. Chain drafters never set it.
+
+A drafter with costs of its own worth timing up front may also have
+``calibrate(slot, token) -> (seconds per draft step, [(prompt length, seconds to read it)])``,
+which an engine with an adaptive controller calls once, on an empty slot, when it is built
+(the draft model has it; prompt lookup's costs are too small to need it).
 """
 
 from __future__ import annotations
