@@ -201,26 +201,19 @@ def test_a_new_request_does_not_probe_with_a_draft_prefill_it_has_not_earned():
     assert slowdown(new) == pytest.approx(1.0)
 
 
-def test_a_draft_model_reads_a_prompt_only_when_the_answer_can_repay_it():
-    """Speculation pays (~2x predicted), but catching a draft model up costs 0.1 T1 a token.
-    A 1,000-token prompt (100 plain steps) is not worth reading for 100 tokens to come (saving
-    ~50 steps). Where it is, a request that has not drafted yet still waits, rent-or-buy, until
-    the tokens it generated would have saved the catch-up at the predicted gain (~0.5 T1 a
-    token): ~5 tokens for a 20-token prompt, ~250 for the 1,000-token one with 2,000 to come.
-    So a short answer never pays a catch-up it could not earn back, and a long one forgoes at
-    most about the catch-up's worth."""
+def test_a_draft_model_reads_a_long_prompt_only_when_the_answer_can_repay_it():
+    """Speculation pays (~2x predicted), but catching a draft model up on a 1,000-token prompt
+    costs 100 plain steps: worth it for 2,000 tokens to come, not for 100 (saving ~50 steps)."""
     controller = AdaptiveController()
     run_phase(controller, Request(), 200, 0.9, alpha=0.2, c=0.05, catch_up_s=0.1 * T1)
     first = {}
     for prompt, left in ((1000, 100), (20, 100), (1000, 2000)):
-        rounds = run_phase(controller, Request(prompt_tokens=prompt, tokens_left=left), 400, 0.9, alpha=0.2, c=0.05,
+        rounds = run_phase(controller, Request(prompt_tokens=prompt, tokens_left=left), 20, 0.9, alpha=0.2, c=0.05,
                            catch_up_s=0.1 * T1)
-        first[prompt, left] = next((i for i, k in enumerate(ks(rounds)) if k > 0), None)
-        print(f"prompt {prompt}, {left} tokens left: first drafting round {first[prompt, left]}, "
-              f"slowdown {slowdown(rounds):.3f}")
-    assert first[1000, 100] is None
-    assert 3 <= first[20, 100] <= 8
-    assert 200 <= first[1000, 2000] <= 300
+        first[prompt, left] = ks(rounds)
+        print(f"prompt {prompt}, {left} tokens left: ks {ks(rounds)[:6]}, slowdown {slowdown(rounds):.3f}")
+    assert first[1000, 100] == [0] * 20
+    assert first[20, 100][0] > 0 and first[1000, 2000][0] > 0
 
 
 def run_requests(controller, p, n, prompt=100, tokens=128, seed=0, **world):

@@ -73,16 +73,6 @@ shaped by unpredictable requests would keep a draft model off for good, since a 
 budget grows more slowly than the catch-up it would need. A probe that gains earns credit, so a
 recovering request probes again at once.
 
-A new request's first catch-up is a rent-or-buy decision under an unknown length: the catch-up
-is paid once (buy), plain rounds forgo the saving token by token (rent), and where the answer
-ends is unknown (``max_tokens`` is only a cap; Spec-Bench's qa and translation answers end
-after 15-35 tokens, where a 0.5B draft's prompt read alone costs 2-4 decode steps of the 1.5B
-target, 10-15% of the request). So a request that has not yet drafted starts paying a catch-up
-only once the tokens it has generated would have saved that much at the predicted gain: the
-break-even rule, which never loses more than twice what knowing the length would have. A
-long request thereby gives up at most the catch-up's worth of saving; a short one does not pay a
-catch-up it cannot earn back. Prompt lookup has no catch-up and starts at once.
-
 Trees. For a tree drafter k is the tree's depth: acceptance is learned per depth (a round that
 accepted a path of length a tested depths 1..a+1), the draft cost per depth level, and the
 tree's breadth (the positions past its longest path) is priced into the verify cost like
@@ -336,7 +326,6 @@ class _Request:
     accepted_ema: float | None = None  # tree calibration: accepted nodes per round (EMA) ...
     predicted_ema: float | None = None  # ... over the summed draft values (EMA)
     tree_rounds: int = 0
-    start: int = 0  # the request's tokens when the controller first saw it
 
 
 class AdaptiveController:
@@ -415,15 +404,13 @@ class AdaptiveController:
         # that failing drafts always stop it); one that is not needs a gain of ``margin``.
         stay = max(min(self.stay, (costs[1][1] - 1.0) / 2), 0.0)
         threshold = gains[0] * ((1 - stay) if req.drafted_last else (1 + self.margin))
-        if gains[best] > threshold and (catch_up == 0 or catch_up <= self._saving(seq, gains[best])) and \
-                (req.speculated or catch_up <= self._forgone(seq, gains[best])):
+        if gains[best] > threshold and (catch_up == 0 or catch_up <= self._saving(seq, gains[best])):
             req.asked = best
         # A probe: only once the budget covers what catching the drafter up is known to cost.
         elif req.balance >= catch_up:
             req.asked = best
         elif not req.speculated and self.pool >= catch_up and \
-                catch_up <= self.first_probe * self._saving(seq, self._best_case(k_max, costs)) and \
-                catch_up <= self._forgone(seq, self._best_case(k_max, costs)):
+                catch_up <= self.first_probe * self._saving(seq, self._best_case(k_max, costs)):
             req.pool_probe = True  # a new request's first probe, paid from the engine-wide pool
             req.asked = best
         return req.asked
@@ -509,7 +496,7 @@ class AdaptiveController:
     def _request(self, seq: Seq) -> _Request:
         req = self._requests.get(seq)
         if req is None:
-            req = self._requests[seq] = _Request(acceptance=list(self.prior), start=seq.num_tokens)
+            req = self._requests[seq] = _Request(acceptance=list(self.prior))
         return req
 
     def _weight(self, req: _Request, i: int) -> float:
@@ -547,12 +534,6 @@ class AdaptiveController:
         """Seconds that speculating at a predicted ``gain`` would save over the rest of the
         request: a drafter's catch-up must be worth paying."""
         return self._plain_time(seq) * (1.0 - 1.0 / gain)
-
-    def _forgone(self, seq: Seq, gain: float) -> float:
-        """Seconds that speculating at ``gain`` from the start would have saved over the tokens
-        the request has generated so far (rent-or-buy: see the module doc)."""
-        generated = seq.num_tokens - self._request(seq).start
-        return generated * self.costs.target_s[1] * max(1.0 - 1.0 / gain, 0.0)
 
     def _estimates(self, req: _Request, k: int) -> list[float]:
         """The request's own rates where it has some, the engine-wide prior beyond, and the
