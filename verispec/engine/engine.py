@@ -59,7 +59,6 @@ them as usual.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,7 +74,7 @@ from verispec.sampling import logits_to_probs, make_generator
 from verispec.spec.base import (
     EMPTY_PROPOSAL, AuxBranch, Drafter, DrafterContext, Outcome, Proposal, build_drafter,
 )
-from verispec.spec.controller import AdaptiveController, Controller, RoundReport, build_controller
+from verispec.spec.controller import AdaptiveController, Controller, RoundReport, build_controller, warm_seconds
 from verispec.spec.metrics import SpecMetrics
 from verispec.spec.tree import Tree, tree_layout
 from verispec.spec.tree_verify import verify_tree_greedy, verify_tree_stochastic
@@ -213,7 +212,6 @@ class Engine:
     # ---- calibration -------------------------------------------------------------------------
 
     CALIBRATION_CONTEXT = 32  # dummy tokens in the scratch slot's cache before the timed passes
-    CALIBRATION_RUNS = 3  # warm runs per verify width; their median seeds the cost model
 
     def _calibrate(self, controller: AdaptiveController) -> None:
         """Seed ``controller.costs`` with warm timings of every verify width 1..k+1 and the
@@ -226,16 +224,14 @@ class Engine:
             ids = torch.full((1, context), token, device=device)
             self.model(ids, torch.arange(context, device=device)[None], self.cache, slots=[slot], num_logits=1,
                        prefill=True)
+
+            def verify(n: int) -> None:
+                self.model(torch.full((1, n), token, device=device),
+                           torch.arange(context, context + n, device=device)[None], self.cache, slots=[slot])
+                self.cache.truncate(slot, context)
+
             for n in range(1, self.k + 2):
-                ids = torch.full((1, n), token, device=device)
-                positions = torch.arange(context, context + n, device=device)[None]
-                times = []
-                for _ in range(1 + self.CALIBRATION_RUNS):  # the first run of a shape is cold
-                    t0 = time.perf_counter()
-                    self.model(ids, positions, self.cache, slots=[slot])
-                    times.append(time.perf_counter() - t0)
-                    self.cache.truncate(slot, context)
-                controller.costs.observe_target(n, statistics.median(times[1:]))
+                controller.costs.observe_target(n, warm_seconds(lambda: verify(n)))
             self.cache.reset(slot)
         calibrate = getattr(self.drafter, "calibrate", None)
         if calibrate is not None:

@@ -90,8 +90,10 @@ feeds the drafter the tokens it missed, so its time is not used as a per-token c
 
 from __future__ import annotations
 
+import statistics
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -226,6 +228,18 @@ def build_controller(config: SpeculativeConfig | None) -> Controller:
 
 def _ema(old: float | None, new: float, weight: float) -> float:
     return new if old is None else old + weight * (new - old)
+
+
+def warm_seconds(run: Callable[[], object], runs: int = 3) -> float:
+    """Seconds ``run()`` takes warm: one untimed cold run (a shape's first run pays one-time
+    set-up), then the median of ``runs`` timed ones. For calibrating a :class:`CostModel`."""
+    run()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 @dataclass

@@ -18,9 +18,6 @@ settings and generator, and returns q with the tokens, so verification stays exa
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from typing import TYPE_CHECKING
@@ -30,6 +27,7 @@ from verispec.engine.sequence import Sequence
 from verispec.models.decoder import PREFILL_MIN_TOKENS
 from verispec.sampling import logits_to_probs, sample
 from verispec.spec.base import DrafterContext, Outcome, Proposal, register_drafter
+from verispec.spec.controller import warm_seconds
 
 if TYPE_CHECKING:
     from verispec.models.loader import LoadedModel
@@ -120,27 +118,19 @@ class DraftModelDrafter:
     CALIBRATION_READS = (32, 64, 128, 256)  # prompt lengths timed by :meth:`calibrate`
 
     def calibrate(self, slot: int, token: int) -> tuple[float, list[tuple[int, float]]]:
-        """Warm timings for a cost model: (seconds per draft step, [(prompt length, seconds to
-        read it)]), from warm runs (the first run of each shape is cold). Leaves ``slot`` empty."""
-        room = self.cache.max_len - 2
-        reads = []
-        for length in [n for n in self.CALIBRATION_READS if n <= room] or [max(room, 1)]:
-            times = []
-            for _ in range(3):
-                self.cache.reset(slot)
-                t0 = time.perf_counter()
-                self._forward(slot, [token] * length, prefill=True)
-                times.append(time.perf_counter() - t0)
-            reads.append((length, min(times[1:])))
-        steps = []
-        for _ in range(4):  # decode steps after the last read (the first is cold)
-            if self.cache.length(slot) >= self.cache.max_len:
-                break
-            t0 = time.perf_counter()
-            self._forward(slot, [token])
-            steps.append(time.perf_counter() - t0)
+        """Warm timings for a cost model (:func:`~verispec.spec.controller.warm_seconds`):
+        (seconds per draft step, [(prompt length, seconds to read it)]). Leaves ``slot`` empty."""
+        room = self.cache.max_len - 4  # a read, then the step's four single-token passes
+
+        def read(length: int) -> None:
+            self.cache.reset(slot)
+            self._forward(slot, [token] * length, prefill=True)
+
+        reads = [(n, warm_seconds(lambda: read(n))) for n in [n for n in self.CALIBRATION_READS if n <= room]
+                 or [max(room, 1)]]
+        step = warm_seconds(lambda: self._forward(slot, [token]))  # after the last read
         self.cache.reset(slot)
-        return (statistics.median(steps[1:] or steps), reads)
+        return step, reads
 
     def _forward(self, slot: int, tokens: list[int], prefill: bool = False) -> torch.Tensor:
         """Feed ``tokens``; return the next-token logits over the target's vocabulary [V_target]."""
