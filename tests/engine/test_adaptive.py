@@ -99,11 +99,12 @@ def test_an_engine_calibrates_the_adaptive_controller_it_builds(target, draft, p
     assert eng.cache.length(0) == 0
     if kind == "draft_model":
         assert costs.draft_s_per_token > 0
-        assert [m for m, _ in costs.catch_up_samples] == list(DraftModelDrafter.CALIBRATION_READS)
+        assert [m for m, _ in costs.prompt_reads] == list(DraftModelDrafter.CALIBRATION_READS)
+        assert [m for m, _ in costs.resume_reads] == list(DraftModelDrafter.CALIBRATION_RESUMES)
         assert eng.drafter.cache.length(0) == 0
-        assert costs.catch_up_time(100) > 0
+        assert costs.catch_up_time(100) > 0 and costs.catch_up_time(100, prompt=100) > 0
     else:  # prompt lookup has no calibration: its cost is measured by its rounds
-        assert costs.draft_s_per_token is None and not costs.catch_up_samples
+        assert costs.draft_s_per_token is None and not costs.prompt_reads and not costs.resume_reads
     assert eng.generate(PROMPT, GREEDY).output_ids == plain_output
     # A controller passed in keeps the costs it came with.
     given = Recording()

@@ -28,7 +28,7 @@ class Request:
     """Stands in for an engine sequence (the controller keys per-request state on it)."""
 
     def __init__(self, prompt_tokens: int = 50, tokens_left: int = 10**6) -> None:
-        self.num_tokens = prompt_tokens
+        self.num_tokens = self.num_prompt_tokens = prompt_tokens
         self.tokens_left = tokens_left  # what max_tokens still allows
         self.drafter_seen = 0  # tokens the simulated drafter has read
 
@@ -194,7 +194,7 @@ def test_a_new_request_does_not_probe_with_a_draft_prefill_it_has_not_earned():
     run_phase(controller, Request(), 100, 0.3, alpha=0.5, c=0.5, catch_up_s=0.1 * T1)
     # Measured from its one probe; the per-draft cost is not known yet (no two drafting rounds
     # in a row), so the probe's own drafts count as catch-up: an estimate on the safe side.
-    assert 0.1 * T1 <= controller.costs.catch_up_s_per_token < 1.3 * 0.1 * T1
+    assert 0.1 * T1 <= controller.costs.catch_up_time(50, prompt=50) / 50 < 1.3 * 0.1 * T1
     new = run_phase(controller, Request(prompt_tokens=200), 40, 0.3, alpha=0.5, c=0.5, catch_up_s=0.1 * T1)
     print(f"ks {ks(new)[:12]}, slowdown {slowdown(new):.3f}")
     assert ks(new) == [0] * 40
@@ -440,13 +440,34 @@ def test_catch_up_cost_is_a_line_through_measured_reads_not_a_rate_per_token():
     the adaptive draft row of the issue-8 benchmark never probed (1.00x plain, where fixed k = 2
     ran at 1.12x). The first round's own draft (37 ms) is taken out once a draft is timed."""
     costs = CostModel()
-    costs.observe_catch_up(missed=20, drafted=1, seconds=0.134 + 0.037)
-    assert costs.catch_up_time(20) == pytest.approx(0.171)  # provisional: the draft counts
+    costs.observe_catch_up(missed=20, drafted=1, seconds=0.134 + 0.037, prompt=20)
+    assert costs.catch_up_time(20, prompt=20) == pytest.approx(0.171)  # provisional: the draft counts
     costs.observe_draft(tokens=1, seconds=0.037)
-    assert costs.catch_up_time(20) == pytest.approx(0.134)
-    assert costs.catch_up_s_per_token == pytest.approx(0.134 / 20)
-    costs.observe_catch_up(missed=100, drafted=2, seconds=0.208 + 2 * 0.037)
+    assert costs.catch_up_time(20, prompt=20) == pytest.approx(0.134)
+    costs.observe_catch_up(missed=100, drafted=2, seconds=0.208 + 2 * 0.037, prompt=100)
     slope = (0.208 - 0.134) / 80
-    assert costs.catch_up_time(80) == pytest.approx(0.134 + slope * 60)
-    assert costs.catch_up_time(80) < 0.4 * 80 * 0.134 / 20  # the per-token price: 0.536 s
+    assert costs.catch_up_time(80, prompt=80) == pytest.approx(0.134 + slope * 60)
+    assert costs.catch_up_time(80, prompt=80) < 0.4 * 80 * 0.134 / 20  # the per-token price: 0.536 s
     assert costs.catch_up_time(0) == 0.0
+
+
+def test_a_return_to_drafting_is_priced_by_catch_ups_on_generated_tokens_not_by_prompt_reads():
+    """Tokens generated while a draft model idled are read in decode-sized passes, at ~5 ms a
+    token where a 256-token prompt costs ~1.5 (0.5B int4 draft, AMX Xeon). Priced like a prompt,
+    a return to drafting after 40 plain tokens looked to cost 60 ms, not 200."""
+    costs = CostModel()
+    costs.observe_draft(tokens=1, seconds=0.05)
+    for tokens, seconds in ((64, 0.16), (256, 0.38)):
+        costs.observe_catch_up(tokens, 0, seconds, prompt=tokens)
+    # Until a return has been timed, generated tokens are priced by the prompt reads.
+    assert costs.catch_up_time(40) == pytest.approx(costs.catch_up_time(40, prompt=40))
+    for tokens, seconds in ((8, 0.09), (32, 0.2)):
+        costs.observe_catch_up(tokens, 0, seconds)
+    assert costs.catch_up_time(40) == pytest.approx(0.09 + 0.11 / 24 * 32)
+    assert costs.catch_up_time(64, prompt=64) == pytest.approx(0.16)  # prompt reads keep their own line
+    # A first catch-up reads the prompt and then what plain rounds generated: the generated part
+    # is priced as a return, and the rest is a prompt read sample (here 0.6 s for 160 tokens).
+    costs.observe_catch_up(200, 1, 0.6 + costs.catch_up_time(40) + 0.05, prompt=160)
+    assert costs.prompt_reads[-1] == (160, pytest.approx(0.6))
+    assert costs.catch_up_time(200, prompt=160) == pytest.approx(
+        costs.catch_up_time(160, prompt=160) + costs.catch_up_time(40))

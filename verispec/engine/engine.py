@@ -235,10 +235,12 @@ class Engine:
             self.cache.reset(slot)
         calibrate = getattr(self.drafter, "calibrate", None)
         if calibrate is not None:
-            step_s, reads = calibrate(slot, token)
+            step_s, reads, resumes = calibrate(slot, token)
             controller.costs.observe_draft(1, step_s)
-            for missed, seconds in reads:
+            for missed, seconds in resumes:
                 controller.costs.observe_catch_up(missed, 0, seconds)
+            for missed, seconds in reads:
+                controller.costs.observe_catch_up(missed, 0, seconds, prompt=missed)
 
     # ---- phases ------------------------------------------------------------------------------
 

@@ -39,6 +39,10 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

@@ -17,7 +17,8 @@ A proposal is a chain unless it carries ``parents``: then its tokens are the nod
 tree (see :mod:`verispec.spec.tree`) verified in one target pass. Chain drafters never set it.
 
 A drafter with costs of its own worth timing up front may also have
-``calibrate(slot, token) -> (seconds per draft step, [(prompt length, seconds to read it)])``,
+``calibrate(slot, token) -> (seconds per draft step, [(prompt length, seconds to read it)],
+[(generated tokens, seconds to catch up on them)])``,
 which an engine with an adaptive controller calls once, on an empty slot, when it is built
 (the draft model has it; prompt lookup's costs are too small to need it).
 """

@@ -54,7 +54,9 @@ not negative and covers the probe's known catch-up cost: a draft model must firs
 token it has not seen (the prompt of a new request, whatever plain rounds committed), and the
 cost model learns that time from the first drafting rounds after idling, as a line in the
 tokens missed (a short prompt costs a draft model more per token than a long one; prompt
-lookup's is ~0). The round that showed speculation stopped paying has already charged its loss,
+lookup's is ~0), with one line for reading a request's prompt and another for catching up on
+tokens generated while the drafter idled (a draft model reads those in decode-sized passes, at
+several times a long prompt's price per token). The round that showed speculation stopped paying has already charged its loss,
 so the first probe waits for it to be earned back. Nor does a predicted gain start drafting by
 itself when the catch-up costs more than that gain can save over the tokens the request has
 left (``max_tokens`` minus those generated): a draft model does not read a 1,000-token document
@@ -242,26 +244,42 @@ def warm_seconds(run: Callable[[], object], runs: int = 3) -> float:
     return statistics.median(times)
 
 
+def _read_time(points: Sequence[tuple[int, float]], n: int) -> float | None:
+    """Seconds to read ``n`` tokens by the samples ``points`` of (tokens, seconds): the
+    least-squares line once they hold two different lengths (its intercept at least 0, its
+    slope positive), else the mean seconds per token; None without samples."""
+    if not points:
+        return None
+    if len({m for m, _ in points}) > 1:
+        intercept, slope = fit_line(points)
+        if slope > 0:
+            return max(intercept, 0.0) + slope * n
+    return n * sum(t for _, t in points) / sum(m for m, _ in points)
+
+
 @dataclass
 class CostModel:
     """Measured round costs: T_target(n) per n (EMA), the draft time per draft token (EMA) and
-    the drafter's catch-up time per token it missed while idle (EMA)."""
+    the drafter's catch-up time for the tokens it missed while idle (lines through samples)."""
 
     weight: float = 0.2  # EMA weight of a new sample
     prior_alpha: float = 0.1  # v(n) slope used until two different n have been measured
     target_s: dict[int, float] = field(default_factory=dict)  # n -> EMA of the verify time
     draft_s_per_token: float | None = None
-    catch_up_s_per_token: float | None = None
     extra_positions: int = 0  # what the drafter adds to a verify pass besides its drafts (last seen)
-    # Recent catch-up rounds as (missed tokens, seconds without the round's own drafts). A draft
-    # model's catch-up is not proportional to what it missed: it reads a prompt of 20 tokens at
-    # ~6.7 ms a token and one of 100 at ~2.1 (a 0.5B int4 draft on an AMX Xeon; long prompts take
-    # the prefill path), so its cost is fitted as a line over these, as T_target(n) is.
-    catch_up_samples: list[tuple[int, float]] = field(default_factory=list)
-    max_catch_up_samples: int = 8
-    # A catch-up round seen before any draft step was timed: (missed, drafted, seconds). Its
-    # sample counts the round's drafts as catch-up until the first drafting round times a draft.
-    _unsettled: tuple[int, int, float] | None = None
+    # Recent catch-up reads as (tokens, seconds without the round's own drafts), of two kinds. A
+    # draft model reads a request's prompt in one pass, as the target's prefill did: 32 tokens in
+    # ~4.4 ms each, 256 in ~1.5 (a 0.5B int4 draft on an AMX Xeon; from 64 tokens a pass takes
+    # the prefill path), so its cost is a line, as T_target(n) is. Tokens generated while it idled
+    # it reads in decode-sized passes (at most 63 tokens each) at ~5 ms a token, several times the
+    # price of a long prompt's: priced like a prompt, a return to drafting looks cheaper than it is.
+    prompt_reads: list[tuple[int, float]] = field(default_factory=list)
+    resume_reads: list[tuple[int, float]] = field(default_factory=list)
+    max_catch_up_samples: int = 8  # per kind
+    # A catch-up round seen before any draft step was timed: (its samples, missed, drafted,
+    # seconds, the resume part's predicted seconds). Its sample counts the round's drafts as
+    # catch-up until the first drafting round times a draft.
+    _unsettled: tuple[list[tuple[int, float]], int, int, float, float] | None = None
 
     def observe_target(self, n: int, seconds: float) -> None:
         self.target_s[n] = _ema(self.target_s.get(n), seconds, self.weight)
@@ -269,34 +287,43 @@ class CostModel:
     def observe_draft(self, tokens: int, seconds: float) -> None:
         self.draft_s_per_token = _ema(self.draft_s_per_token, seconds / tokens, self.weight)
         if self._unsettled is not None:  # the latest catch-up sample is provisional: settle it
-            missed, drafted, round_s = self._unsettled
+            points, missed, drafted, round_s, other = self._unsettled
             self._unsettled = None
-            settled = max(round_s - drafted * self.draft_s_per_token, 0.0)
-            self.catch_up_samples[-1] = (missed, settled)
-            self.catch_up_s_per_token = settled / missed
+            points[-1] = (missed, max(round_s - drafted * self.draft_s_per_token - other, 0.0))
 
-    def observe_catch_up(self, missed: int, drafted: int, seconds: float) -> None:
-        """A first drafting round after ``missed`` unseen tokens (the prompt, plain rounds)."""
-        if missed > 0:  # until the per-draft cost is known, all of the round's drafting counts
-            if self.draft_s_per_token is None:
-                self._unsettled = (missed, drafted, seconds)
-            extra = max(seconds - drafted * (self.draft_s_per_token or 0.0), 0.0)
-            self.catch_up_samples.append((missed, extra))
-            del self.catch_up_samples[:-self.max_catch_up_samples]
-            self.catch_up_s_per_token = _ema(self.catch_up_s_per_token, extra / missed, self.weight)
+    def observe_catch_up(self, missed: int, drafted: int, seconds: float, prompt: int = 0) -> None:
+        """A first drafting round after ``missed`` unseen tokens, of which the first ``prompt``
+        are a request's prompt read in one pass and the rest were generated while it idled. A
+        round that read a prompt is a prompt sample, less what its generated tokens should have
+        cost."""
+        if missed <= 0:
+            return
+        points, tokens, other = (self.prompt_reads, prompt, self._time(self.resume_reads, self.prompt_reads,
+                                                                        missed - prompt)) \
+            if prompt > 0 else (self.resume_reads, missed, 0.0)
+        # Until the per-draft cost is known, all of the round's drafting counts.
+        if self.draft_s_per_token is None:
+            self._unsettled = (points, tokens, drafted, seconds, other)
+        points.append((tokens, max(seconds - drafted * (self.draft_s_per_token or 0.0) - other, 0.0)))
+        del points[:-self.max_catch_up_samples]
 
-    def catch_up_time(self, missed: int) -> float:
-        """Predicted seconds to catch a drafter up on ``missed`` tokens; 0 until measured. The
-        least-squares line through the recent samples once they hold two different lengths
-        (with its intercept at least 0 and its slope positive), else the per-token EMA."""
-        points = self.catch_up_samples
-        if missed <= 0 or not points:
+    def catch_up_time(self, missed: int, prompt: int = 0) -> float:
+        """Predicted seconds to catch a drafter up on ``missed`` tokens whose first ``prompt``
+        are a request's prompt; 0 until measured. Each kind by its own samples
+        (:func:`_read_time`), or by the other kind's while it has none."""
+        if missed <= 0:
             return 0.0
-        if len({m for m, _ in points}) > 1:
-            intercept, slope = fit_line(points)
-            if slope > 0:
-                return max(intercept, 0.0) + slope * missed
-        return missed * (self.catch_up_s_per_token or 0.0)
+        return self._time(self.prompt_reads, self.resume_reads, min(prompt, missed)) + \
+            self._time(self.resume_reads, self.prompt_reads, missed - min(prompt, missed))
+
+    @staticmethod
+    def _time(points: list[tuple[int, float]], fallback: list[tuple[int, float]], n: int) -> float:
+        if n <= 0:
+            return 0.0
+        t = _read_time(points, n)
+        if t is None:
+            t = _read_time(fallback, n)
+        return t or 0.0
 
     def target_time(self, n: int) -> float | None:
         """The EMA for n if measured; else the least-squares line through all measured n."""
@@ -336,6 +363,7 @@ class _Request:
     speculated: bool = False  # some round of this request has verified more than its last token
     pool_probe: bool = False  # this round is a probe paid from the engine-wide pool
     missed: int = 0  # tokens the drafter has not read when this round starts
+    missed_prompt: int = 0  # how many of them are the prompt (the drafter has read nothing yet)
     predicted: float = 0.0  # a tree round: the summed draft values of the nodes kept (0: none)
     accepted_ema: float | None = None  # tree calibration: accepted nodes per round (EMA) ...
     predicted_ema: float | None = None  # ... over the summed draft values (EMA)
@@ -412,7 +440,8 @@ class AdaptiveController:
             return 0  # a plain round measures T_target(1) first
         gains = speedups(self._estimates(req, k_max), *costs)
         best = max(range(1, min(k_max, req.depth + self.ramp) + 1), key=gains.__getitem__)
-        catch_up = 0.0 if req.drafted_last else self.costs.catch_up_time(req.missed)
+        req.missed_prompt = seq.num_prompt_tokens if req.seen == 0 else 0
+        catch_up = 0.0 if req.drafted_last else self.costs.catch_up_time(req.missed, req.missed_prompt)
         # Hysteresis: a request that is drafting goes on while speculation is predicted to lose
         # at most ``stay`` (and less than half of what one extra verified position costs, so
         # that failing drafts always stop it); one that is not needs a gain of ``margin``.
@@ -465,7 +494,7 @@ class AdaptiveController:
         if n > 0 and req.drafted_last:
             self.costs.observe_draft(n, report.draft_s)
         elif n > 0:
-            self.costs.observe_catch_up(req.missed, n, report.draft_s)
+            self.costs.observe_catch_up(req.missed, n, report.draft_s, req.missed_prompt)
         if n > 0:
             req.seen = seq.num_tokens
         req.drafted_last = n > 0

@@ -116,10 +116,13 @@ class DraftModelDrafter:
         self.cache.reset(seq.slot)
 
     CALIBRATION_READS = (32, 64, 128, 256)  # prompt lengths timed by :meth:`calibrate`
+    CALIBRATION_RESUMES = (8, 16, 32, DECODE_CHUNK)  # catch-ups on generated tokens timed by it
 
-    def calibrate(self, slot: int, token: int) -> tuple[float, list[tuple[int, float]]]:
+    def calibrate(self, slot: int, token: int) -> tuple[float, list[tuple[int, float]], list[tuple[int, float]]]:
         """Warm timings for a cost model (:func:`~verispec.spec.controller.warm_seconds`):
-        (seconds per draft step, [(prompt length, seconds to read it)]). Leaves ``slot`` empty."""
+        (seconds per draft step, [(prompt length, seconds to read it)], [(generated tokens,
+        seconds to catch up on them)]): a prompt is read in one pass, generated tokens in the
+        decode-sized passes of :meth:`catch_up`. Leaves ``slot`` empty."""
         room = self.cache.max_len - 4  # a read, then the step's four single-token passes
 
         def read(length: int) -> None:
@@ -129,8 +132,16 @@ class DraftModelDrafter:
         reads = [(n, warm_seconds(lambda: read(n))) for n in [n for n in self.CALIBRATION_READS if n <= room]
                  or [max(room, 1)]]
         step = warm_seconds(lambda: self._forward(slot, [token]))  # after the last read
+        context = min(self.CALIBRATION_READS[0], room // 2)
+        read(context)
+
+        def resume(length: int) -> None:
+            self._forward(slot, [token] * length)
+            self.cache.truncate(slot, context)
+
+        resumes = [(n, warm_seconds(lambda: resume(n))) for n in self.CALIBRATION_RESUMES if context + n <= room]
         self.cache.reset(slot)
-        return step, reads
+        return step, reads, resumes
 
     def _forward(self, slot: int, tokens: list[int], prefill: bool = False) -> torch.Tensor:
         """Feed ``tokens``; return the next-token logits over the target's vocabulary [V_target]."""
