@@ -122,6 +122,31 @@ def test_cost_model_interpolates_and_extrapolates_a_line():
     assert c == 0.0 and verify == pytest.approx([1.0, 3.0 / 2.5, 3.5 / 2.5, 4.0 / 2.5])
 
 
+def test_costs_keep_their_shape_while_the_machine_speed_drifts():
+    """Calibrated at T1 = 100 ms (v(3) = 1.2, a draft 0.5 of a step, a 40-token catch-up 2
+    steps), the machine then runs 1.4x slower for a while, seen by plain rounds only: v(3) and
+    c stay, the catch-up costs 1.4x the seconds. Ratios of times taken at different speeds
+    said v(3) = 0.86 and c = 0.36, and drafting looked a bargain."""
+    costs = CostModel()
+    for n, t in ((1, 0.1), (2, 0.11), (3, 0.12)):
+        costs.observe_target(n, t)
+    costs.observe_draft(1, 0.05)
+    costs.observe_catch_up(40, 0, 0.2)
+    for _ in range(30):
+        costs.observe_target(1, 0.14)
+    assert costs.speed == pytest.approx(1.4, rel=1e-3)
+    c, verify = costs.relative(2)
+    assert c == pytest.approx(0.5) and verify == pytest.approx([1.0, 1.1, 1.2])
+    assert costs.catch_up_time(40) == pytest.approx(0.28, rel=1e-3)
+    assert costs.target_s[3] == pytest.approx(0.12)  # what was measured, as measured
+    # Drafting rounds alone (verify passes of 3) track the speed too: back to the reference. While
+    # the speed lags, the passes of 3 also pull their shape a little (the price of learning it).
+    for _ in range(30):
+        costs.observe_target(3, 0.12)
+    assert costs.speed == pytest.approx(1.0, rel=0.03) and costs.t1() == pytest.approx(0.1, rel=0.03)
+    assert costs.relative(2)[1] == pytest.approx([1.0, 1.1, 1.2], rel=0.03)
+
+
 def test_cost_model_needs_t1_and_uses_the_prior_slope_with_one_point():
     costs = CostModel(prior_alpha=0.1)
     assert costs.relative(4) is None

@@ -259,37 +259,70 @@ def _read_time(points: Sequence[tuple[int, float]], n: int) -> float | None:
 
 @dataclass
 class CostModel:
-    """Measured round costs: T_target(n) per n (EMA), the draft time per draft token (EMA) and
-    the drafter's catch-up time for the tokens it missed while idle (lines through samples)."""
+    """Measured round costs: T_target(n) per n, the draft time per draft token (EMAs) and the
+    drafter's catch-up time for the tokens it missed while idle (lines through samples).
 
-    weight: float = 0.2  # EMA weight of a new sample
+    The machine's speed drifts (on a shared 2-vCPU host a decode step took 96 ms, then 140 ms
+    for a minute, then 110), and a cost is measured only when a round of its kind runs: T(3) by a
+    round that drafts 2, T(1) by a plain one. Ratios of times taken minutes apart (v(3) = T(3) /
+    T(1), the draft cost over T(1)) swung with the drift, by 30% there, and so did the choice of
+    k. So the model keeps one speed, learned from every verify pass (its time over what that
+    width costs at the reference speed, an EMA), apart from the shape of the costs: each width's
+    time, the draft time and the catch-up reads in reference seconds (a time divided by the
+    speed when it was taken), with the first T(1) measured as the reference. A prediction is a
+    reference time times the current speed, so v(n) and c change only when the costs' shape
+    does, and the shape is learned more slowly (``shape_weight``) than the speed.
+    """
+
+    weight: float = 0.2  # EMA weight of a new sample (the speed, the draft time)
+    # EMA weight of a new sample of T(n) for n > 1, in reference seconds: while the speed lags a
+    # change, a width's samples also move its shape (2.5% after a 40% change, at 0.02)
+    shape_weight: float = 0.02
     prior_alpha: float = 0.1  # v(n) slope used until two different n have been measured
-    target_s: dict[int, float] = field(default_factory=dict)  # n -> EMA of the verify time
-    draft_s_per_token: float | None = None
+    target_s: dict[int, float] = field(default_factory=dict)  # n -> EMA of the verify time, as measured
     extra_positions: int = 0  # what the drafter adds to a verify pass besides its drafts (last seen)
-    # Recent catch-up reads as (tokens, seconds without the round's own drafts), of two kinds. A
-    # draft model reads a request's prompt in one pass, as the target's prefill did: 32 tokens in
-    # ~4.4 ms each, 256 in ~1.5 (a 0.5B int4 draft on an AMX Xeon; from 64 tokens a pass takes
-    # the prefill path), so its cost is a line, as T_target(n) is. Tokens generated while it idled
-    # it reads in decode-sized passes (at most 63 tokens each) at ~5 ms a token, several times the
-    # price of a long prompt's: priced like a prompt, a return to drafting looks cheaper than it is.
+    # Recent catch-up reads as (tokens, reference seconds without the round's own drafts), of two
+    # kinds. A draft model reads a request's prompt in one pass, as the target's prefill did: 32
+    # tokens in ~4.4 ms each, 256 in ~1.5 (a 0.5B int4 draft on an AMX Xeon; from 64 tokens a pass
+    # takes the prefill path), so its cost is a line, as T_target(n) is. Tokens generated while it
+    # idled it reads in decode-sized passes (at most 63 tokens each) at ~5 ms a token, several
+    # times a long prompt's price: priced like a prompt, a return to drafting looks cheaper than
+    # it is.
     prompt_reads: list[tuple[int, float]] = field(default_factory=list)
     resume_reads: list[tuple[int, float]] = field(default_factory=list)
     max_catch_up_samples: int = 8  # per kind
+    _t1_ref: float | None = None  # the first T(1) measured: T(1) at the reference speed
+    speed: float = 1.0  # how much slower than the reference the machine runs now (EMA)
+    _target_ref: dict[int, float] = field(default_factory=dict)  # n >= 2 -> T(n) in reference seconds
+    _draft_ref: float | None = None  # EMA of the draft time per token, reference seconds
     # A catch-up round seen before any draft step was timed: (its samples, missed, drafted,
-    # seconds, the resume part's predicted seconds). Its sample counts the round's drafts as
-    # catch-up until the first drafting round times a draft.
+    # reference seconds, the resume part's predicted reference seconds). Its sample counts the
+    # round's drafts as catch-up until the first drafting round times a draft.
     _unsettled: tuple[list[tuple[int, float]], int, int, float, float] | None = None
+
+    @property
+    def draft_s_per_token(self) -> float | None:
+        return None if self._draft_ref is None else self._draft_ref * self.speed
 
     def observe_target(self, n: int, seconds: float) -> None:
         self.target_s[n] = _ema(self.target_s.get(n), seconds, self.weight)
+        if n == 1 and self._t1_ref is None:
+            self._t1_ref = seconds  # the reference: times before it count as taken at its speed
+            return
+        ref = self._t1_ref if n == 1 else self._target_ref.get(n)
+        if ref is None:  # a width's first time is its shape, at the speed of the moment
+            self._target_ref[n] = seconds / self.speed
+            return
+        self.speed = _ema(self.speed, seconds / ref, self.weight)
+        if n > 1:
+            self._target_ref[n] = _ema(ref, seconds / self.speed, self.shape_weight)
 
     def observe_draft(self, tokens: int, seconds: float) -> None:
-        self.draft_s_per_token = _ema(self.draft_s_per_token, seconds / tokens, self.weight)
+        self._draft_ref = _ema(self._draft_ref, seconds / tokens / self.speed, self.weight)
         if self._unsettled is not None:  # the latest catch-up sample is provisional: settle it
-            points, missed, drafted, round_s, other = self._unsettled
+            points, missed, drafted, round_ref, other = self._unsettled
             self._unsettled = None
-            points[-1] = (missed, max(round_s - drafted * self.draft_s_per_token - other, 0.0))
+            points[-1] = (missed, max(round_ref - drafted * self._draft_ref - other, 0.0))
 
     def observe_catch_up(self, missed: int, drafted: int, seconds: float, prompt: int = 0) -> None:
         """A first drafting round after ``missed`` unseen tokens, of which the first ``prompt``
@@ -298,13 +331,14 @@ class CostModel:
         cost."""
         if missed <= 0:
             return
+        ref = seconds / self.speed
         points, tokens, other = (self.prompt_reads, prompt, self._time(self.resume_reads, self.prompt_reads,
                                                                         missed - prompt)) \
             if prompt > 0 else (self.resume_reads, missed, 0.0)
         # Until the per-draft cost is known, all of the round's drafting counts.
-        if self.draft_s_per_token is None:
-            self._unsettled = (points, tokens, drafted, seconds, other)
-        points.append((tokens, max(seconds - drafted * (self.draft_s_per_token or 0.0) - other, 0.0)))
+        if self._draft_ref is None:
+            self._unsettled = (points, tokens, drafted, ref, other)
+        points.append((tokens, max(ref - drafted * (self._draft_ref or 0.0) - other, 0.0)))
         del points[:-self.max_catch_up_samples]
 
     def catch_up_time(self, missed: int, prompt: int = 0) -> float:
@@ -313,8 +347,9 @@ class CostModel:
         (:func:`_read_time`), or by the other kind's while it has none."""
         if missed <= 0:
             return 0.0
-        return self._time(self.prompt_reads, self.resume_reads, min(prompt, missed)) + \
+        ref = self._time(self.prompt_reads, self.resume_reads, min(prompt, missed)) + \
             self._time(self.resume_reads, self.prompt_reads, missed - min(prompt, missed))
+        return ref * self.speed
 
     @staticmethod
     def _time(points: list[tuple[int, float]], fallback: list[tuple[int, float]], n: int) -> float:
@@ -326,23 +361,31 @@ class CostModel:
         return t or 0.0
 
     def target_time(self, n: int) -> float | None:
-        """The EMA for n if measured; else the least-squares line through all measured n."""
-        if n in self.target_s:
-            return self.target_s[n]
-        points = sorted(self.target_s.items())
+        """T(n) at the current speed: the reference time of n if measured, else the
+        least-squares line through all measured n; None before any verify pass was timed."""
+        times = dict(self._target_ref)
+        if self._t1_ref is not None:
+            times[1] = self._t1_ref
+        if n in times:
+            return times[n] * self.speed
+        points = sorted(times.items())
         if not points:
             return None
         if len(points) == 1:
             (n0, t0), = points
-            return t0 * (1 + self.prior_alpha * (n - 1)) / (1 + self.prior_alpha * (n0 - 1))
+            return t0 * self.speed * (1 + self.prior_alpha * (n - 1)) / (1 + self.prior_alpha * (n0 - 1))
         intercept, slope = fit_line(points)
         if slope <= 0:  # more positions never cost less; noise can say otherwise
-            return max(t for _, t in points)
-        return max(intercept + slope * n, min(t for _, t in points))
+            return max(t for _, t in points) * self.speed
+        return max(intercept + slope * n, min(t for _, t in points)) * self.speed
+
+    def t1(self) -> float | None:
+        """T_target(1) now, or None until a plain round has been timed."""
+        return None if self._t1_ref is None else self._t1_ref * self.speed
 
     def relative(self, k_max: int) -> tuple[float, list[float]] | None:
         """(c, v) for :func:`speedups`, or None until T_target(1) has been measured."""
-        t1 = self.target_s.get(1)
+        t1 = self.t1()
         if t1 is None or t1 <= 0:
             return None
         verify = [1.0] + [self.target_time(k + 1 + self.extra_positions) / t1 for k in range(1, k_max + 1)]
@@ -471,7 +514,7 @@ class AdaptiveController:
             m* = argmax_m (1 + sum_{i<=m} min(1, s * value_i)) / (draft_s / T1 + v(m + 1)).
         """
         req = self._request(seq)
-        t1 = self.costs.target_s.get(1)
+        t1 = self.costs.t1()
         best = len(values)
         if t1 is not None and t1 > 0 and len(values) > 1:
             scale = self._calibration(req)
@@ -521,7 +564,7 @@ class AdaptiveController:
         if req.predicted > 0:
             self._calibrate(req, a, req.predicted)
             req.predicted = 0.0
-        t1 = self.costs.target_s.get(1)
+        t1 = self.costs.t1()
         if width == 1:
             req.balance += self.explore * report.verify_s
             self.pool += self.explore * report.verify_s
@@ -571,7 +614,7 @@ class AdaptiveController:
 
     def _plain_time(self, seq: Seq) -> float:
         """Seconds plain decoding needs for the tokens the request may still generate."""
-        return seq.tokens_left * self.costs.target_s[1]
+        return seq.tokens_left * self.costs.t1()
 
     def _saving(self, seq: Seq, gain: float) -> float:
         """Seconds that speculating at a predicted ``gain`` would save over the rest of the
