@@ -18,6 +18,17 @@ Figures per method, per category and ``overall`` (all runs of every turn and rep
   and llama.cpp run other kernels, so their greedy answers may part from verispec's after a
   near tie in the logits; the report shows that, it does not hide it.
 * ``tok_s_by_repeat`` -- overall tok/s of each repeat, so drift over the run is visible.
+* ``tok_per_step`` / ``speed_adjusted_speedup`` -- generated tokens per plain decode step, each
+  run's wall time counted in the decode steps T(1) it measured itself (the verify phase of its
+  rounds that verified one position), and that over plain's: the machine's speed drifts between
+  the runs of a block (on a shared 2-vCPU host a decode step takes 100 ms in one run and 140 in
+  the next), and counted in its own steps a run's speed cancels. Only where every run of the
+  method had at least ``MIN_T1_ROUNDS`` such rounds (plain, prompt lookup, adaptive methods
+  that ran plain rounds; not a draft model drafting every round); else None.
+
+The report's ``drift`` holds, over the question blocks, the median and largest ratio of the
+slowest to the fastest T(1) measured by the runs of one block: how far apart in speed the
+methods compared side by side really ran.
 
 Goals: verispec's best speculative method >= 2x the best ``hf:assisted`` tok/s, verispec plain
 >= 1.5x ``hf:plain``, and every verispec answer at T = 0 identical to plain. When the methods
@@ -46,6 +57,7 @@ GOAL_ADAPTIVE_WITHIN_BEST = 0.95  # adaptive >= 95% of the best fixed k in every
 GOAL_ADAPTIVE_OVER_BEST = 1.05  # ... and >= 105% of the best fixed k overall
 GOAL_ADAPTIVE_VS_PLAIN = 0.97  # ... and >= 97% of plain in every category
 STEERING_OPTIONS = ("k", "num_speculative_tokens", "adaptive")  # what may differ within a family
+MIN_T1_ROUNDS = 5  # one-position rounds a run needs for its own T(1) to count
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -109,10 +121,40 @@ def _figures(sel: list[Run], div: list, plain: dict | None) -> dict:
     fig["identical"] = len(compared) - len(diverged) if compared else None
     fig["first_divergence"] = ({"question_id": diverged[0][0].question_id, "turn": diverged[0][0].turn,
                                 "repeat": diverged[0][0].repeat, "index": diverged[0][1]} if diverged else None)
+    steps = [_own_steps(r) for r in sel]
+    fig["tok_per_step"] = tokens / sum(steps) if None not in steps and sum(steps) > 0 else None
+    fig["speed_adjusted_speedup"] = (_ratio(fig["tok_per_step"], plain["tok_per_step"]) if plain
+                                     else (1.0 if fig["tok_per_step"] else None))
     repeats = sorted({r.repeat for r in sel})
     fig["tok_s_by_repeat"] = [_ratio(sum(len(r.result.output_ids) for r in sel if r.repeat == k),
                                      sum(r.result.total_s for r in sel if r.repeat == k)) for k in repeats]
     return fig
+
+
+def _own_t1(r: Run) -> float | None:
+    """The run's own decode step: mean verify time of its one-position rounds, if it had enough."""
+    m = r.result.metrics
+    if m is None or m.target_time_by_n.get(1, (0, 0.0))[0] < MIN_T1_ROUNDS:
+        return None
+    return m.target_step_time(1)
+
+
+def _own_steps(r: Run) -> float | None:
+    """The run's wall time in its own decode steps."""
+    t1 = _own_t1(r)
+    return r.result.total_s / t1 if t1 else None
+
+
+def drift(runs: list[Run]) -> dict:
+    """Over the blocks (question, repeat): slowest over fastest T(1) among the block's runs."""
+    blocks: dict[tuple[str, int], list[float]] = {}
+    for r in runs:
+        t1 = _own_t1(r)
+        if t1:
+            blocks.setdefault((r.question_id, r.repeat), []).append(t1)
+    spreads = sorted(max(t) / min(t) for t in blocks.values() if len(t) > 1)
+    return {"blocks": len(spreads), "t1_spread_median": spreads[len(spreads) // 2] if spreads else None,
+            "t1_spread_max": spreads[-1] if spreads else None}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -223,6 +265,7 @@ def build_report(result: BenchResult, specs: list[MethodSpec], workload: Workloa
         "blocks_planned": len(workload.questions) * settings.repeats,
         "wall_s": result.wall_s,
         "results": results,
+        "drift": drift(result.runs),
         "goals": goals(results, specs, greedy),
         "runs": [
             {"method": r.method, "question_id": r.question_id, "category": r.category, "turn": r.turn,
@@ -245,6 +288,10 @@ def build_report(result: BenchResult, specs: list[MethodSpec], workload: Workloa
 
 def _f(v: float | None, spec: str = ".2f") -> str:
     return "n/a" if v is None else format(v, spec)
+
+
+def _times(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"
 
 
 def _identical(fig: dict) -> str:
@@ -329,6 +376,19 @@ def render_markdown(report: dict) -> str:
         lines += [f"| {c} | {_f(p['adaptive'])}x | {p['best_fixed']} | {_f(p['best_fixed_speedup'])}x | "
                   f"{_f(p['vs_best'])} |" for c, p in a["per_category"].items()]
     lines += ["", "## Goals", ""] + _goal_lines(report["goals"])
+    d = report.get("drift") or {}
+    if d.get("blocks"):
+        adjusted = [(label, by_cat) for label, by_cat in report["results"].items()
+                    if any(f.get("speed_adjusted_speedup") is not None for f in by_cat.values())]
+        lines += ["", "## Machine drift", "",
+                  f"Within a question block, the plain decode step T(1) that the runs measured themselves "
+                  f"differed by {_f(d['t1_spread_median'])}x between the slowest and the fastest run (median "
+                  f"over {d['blocks']} blocks; largest {_f(d['t1_spread_max'])}x). Speedups counted in each "
+                  "run's own decode steps, where every run of a method measured T(1) (so the drift cancels):",
+                  "", "| method | " + " | ".join(cats) + " |", "|---|" + "---:|" * len(cats)]
+        lines += [f"| {label} | " + " | ".join(_times(by_cat[c].get("speed_adjusted_speedup")) if c in by_cat else "-"
+                                               for c in cats) + " |"
+                  for label, by_cat in adjusted]
     drift = [f"{label} " + " / ".join(_f(v) for v in by_cat[OVERALL]["tok_s_by_repeat"])
              for label, by_cat in report["results"].items() if OVERALL in by_cat]
     if s["repeats"] > 1:

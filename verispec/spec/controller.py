@@ -26,7 +26,8 @@ measures instead of assuming:
 
 * engine-wide costs (:class:`CostModel`): an exponential moving average (EMA) of the verify
   phase time per number of positions n, a least-squares line through them for the n not seen
-  yet, and an EMA of the drafting time per draft token;
+  yet, and an EMA of the drafting time per draft token, all kept at a reference speed while one
+  EMA follows the machine's speed, so that costs measured minutes apart stay comparable;
 * per-request, per-position acceptance: each request starts from the engine-wide estimate (its
   prior) and follows its own content with an EMA whose first observations weigh most (1/2,
   1/3, ... down to ``request_weight``, 0.15), so within a few rounds it trusts what it has seen
@@ -52,28 +53,28 @@ time minus T_target(1) per token it committed); the balance never rises above ze
 drafting, so gains are not saved up to pay for later losses. A probe is made when the balance is
 not negative and covers the probe's known catch-up cost: a draft model must first read every
 token it has not seen (the prompt of a new request, whatever plain rounds committed), and the
-cost model learns that time from the first drafting rounds after idling, as a line in the
-tokens missed (a short prompt costs a draft model more per token than a long one; prompt
-lookup's is ~0), with one line for reading a request's prompt and another for catching up on
-tokens generated while the drafter idled (a draft model reads those in decode-sized passes, at
-several times a long prompt's price per token). The round that showed speculation stopped paying has already charged its loss,
-so the first probe waits for it to be earned back. Nor does a predicted gain start drafting by
-itself when the catch-up costs more than that gain can save over the tokens the request has
-left (``max_tokens`` minus those generated): a draft model does not read a 1,000-token document
-to speed up a 100-token answer by 10%. Probing thus costs about that fraction of
-the plain-round time however expensive it is: a failed prompt-lookup probe (~alpha lost) waits
-~alpha / 0.03 rounds, while a draft model waits in proportion to its catch-up, and a new request
-whose prior says speculation does not pay pays a draft model's prompt prefill for a probe only
-from what the engine has earned: an engine-wide pool, filled by every plain round like the
-request budgets, funds a new request's first probe when it holds the catch-up and the catch-up
-is at most ``first_probe`` (a quarter) of what speculation could save at best over the tokens the
-request may still take: the measured costs with every draft surviving 90% of the time. Where a
-draft model cannot pay much even on predictable content (on a 2-core CPU a 0.5B draft costs half
-a 1.5B target step per token and gains under 10% at best), reading a new request's prompt for a
-probe is a loss however full the pool, and it is not made. Without it a prior
-shaped by unpredictable requests would keep a draft model off for good, since a request's own
-budget grows more slowly than the catch-up it would need. A probe that gains earns credit, so a
-recovering request probes again at once.
+cost model learns that time from the first drafting rounds after idling, as a line in the tokens
+missed (a short prompt costs a draft model more per token than a long one; prompt lookup's is
+~0), with one line for reading a request's prompt and another for catching up on tokens
+generated while the drafter idled (a draft model reads those in decode-sized passes, at several
+times a long prompt's price per token). The round that showed speculation stopped paying has
+already charged its loss, so the first probe waits for it to be earned back. Nor does a
+predicted gain start drafting by itself when the catch-up costs more than that gain can save
+over the tokens the request has left (``max_tokens`` minus those generated): a draft model does
+not read a 1,000-token document to speed up a 100-token answer by 10%. Probing thus costs about
+that fraction of the plain-round time however expensive it is: a failed prompt-lookup probe
+(~alpha lost) waits ~alpha / 0.03 rounds, while a draft model waits in proportion to its
+catch-up, and a new request whose prior says speculation does not pay pays a draft model's
+prompt prefill for a probe only from what the engine has earned: an engine-wide pool, filled by
+every plain round like the request budgets, funds a new request's first probe when it holds the
+catch-up and the catch-up is at most ``first_probe`` (a quarter) of what speculation could save
+at best over the tokens the request may still take: the measured costs with every draft
+surviving 90% of the time. Where a draft model cannot pay much even on predictable content (on a
+2-core CPU a 0.5B draft costs half a 1.5B target step per token and gains under 10% at best),
+reading a new request's prompt for a probe is a loss however full the pool, and it is not made.
+Without it a prior shaped by unpredictable requests would keep a draft model off for good, since
+a request's own budget grows more slowly than the catch-up it would need. A probe that gains
+earns credit, so a recovering request probes again at once.
 
 Trees. For a tree drafter k is the tree's depth: acceptance is learned per depth (a round that
 accepted a path of length a tested depths 1..a+1), the draft cost per depth level, and the
