@@ -389,10 +389,10 @@ def render_markdown(report: dict) -> str:
         lines += [f"| {label} | " + " | ".join(_times(by_cat[c].get("speed_adjusted_speedup")) if c in by_cat else "-"
                                                for c in cats) + " |"
                   for label, by_cat in adjusted]
-    drift = [f"{label} " + " / ".join(_f(v) for v in by_cat[OVERALL]["tok_s_by_repeat"])
-             for label, by_cat in report["results"].items() if OVERALL in by_cat]
+    per_repeat = [f"{label} " + " / ".join(_f(v) for v in by_cat[OVERALL]["tok_s_by_repeat"])
+                  for label, by_cat in report["results"].items() if OVERALL in by_cat]
     if s["repeats"] > 1:
-        lines += ["", "Overall tok/s per repeat (drift): " + "; ".join(drift)]
+        lines += ["", "Overall tok/s per repeat (drift): " + "; ".join(per_repeat)]
     return "\n".join(lines) + "\n"
 
 
