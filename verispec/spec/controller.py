@@ -333,9 +333,11 @@ class CostModel:
         if missed <= 0:
             return
         ref = seconds / self.speed
-        points, tokens, other = (self.prompt_reads, prompt, self._time(self.resume_reads, self.prompt_reads,
-                                                                        missed - prompt)) \
-            if prompt > 0 else (self.resume_reads, missed, 0.0)
+        if prompt > 0:  # a prompt sample: the generated tokens read after the prompt are priced out
+            points, tokens = self.prompt_reads, prompt
+            other = self._time(self.resume_reads, self.prompt_reads, missed - prompt)
+        else:
+            points, tokens, other = self.resume_reads, missed, 0.0
         # Until the per-draft cost is known, all of the round's drafting counts.
         if self._draft_ref is None:
             self._unsettled = (points, tokens, drafted, ref, other)
