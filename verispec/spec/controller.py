@@ -73,7 +73,11 @@ surviving 90% of the time. Where a draft model cannot pay much even on predictab
 2-core CPU a 0.5B draft costs half a 1.5B target step per token and gains under 10% at best),
 reading a new request's prompt for a probe is a loss however full the pool, and it is not made.
 Without it a prior shaped by unpredictable requests would keep a draft model off for good, since
-a request's own budget grows more slowly than the catch-up it would need. A probe that gains
+a request's own budget grows more slowly than the catch-up it would need. Until some round has
+tested a draft, though, the prior is a guess (``prior_acceptance``), not evidence that
+speculation does not pay, and an empty pool would keep a fresh engine's draft model off for its
+first request's whole answer (~100 plain rounds to earn a 60-token prompt read): so the pool's
+balance is not required then, only the quarter-of-the-saving bound. A probe that gains
 earns credit, so a recovering request probes again at once.
 
 A request does not stop on thin evidence, though: a draft model's catch-up grows with every
@@ -253,6 +257,24 @@ def warm_seconds(run: Callable[[], object], runs: int = 3) -> float:
         run()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def relative_time(run: Callable[[], object], reference: Callable[[], object], runs: int = 3) -> float:
+    """How long ``run()`` takes warm, in runs of ``reference()``: one untimed cold run of each,
+    then the median of ``runs`` ratios, each of a timed ``run()`` over a timed ``reference()``
+    run just before it. On a shared host whose speed drifts by 20-60% within minutes, timings
+    taken seconds apart (a draft step against a decode step) gave cost ratios off by as much;
+    timed in pairs the drift cancels. For calibrating a :class:`CostModel`."""
+    reference()
+    run()
+    ratios = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        reference()
+        t1 = time.perf_counter()
+        run()
+        ratios.append((time.perf_counter() - t1) / (t1 - t0))
+    return statistics.median(ratios)
 
 
 def _read_time(points: Sequence[tuple[int, float]], n: int) -> float | None:
@@ -487,6 +509,7 @@ class AdaptiveController:
         self.settle = settle
         self.ramp, self.margin, self.stay, self.first_probe = ramp, margin, stay, first_probe
         self.pool = 0.0  # engine-wide exploration budget for new requests' first probes (seconds)
+        self.prior_rounds = 0  # rounds that taught the engine-wide prior (0: it is only a guess)
         self.prior_calibration: tuple[float, float] | None = None  # (accepted, predicted) EMAs, engine-wide
         # Per-request state lives as long as its sequence does.
         self._requests: weakref.WeakKeyDictionary[Seq, _Request] = weakref.WeakKeyDictionary()
@@ -519,7 +542,7 @@ class AdaptiveController:
                 (self.settle - req.trials[0]) * self._round_loss(gains[best], best, costs) <= \
                 self.first_probe * self._saving(seq, self._best_case(k_max, costs)) / self.costs.t1():
             req.asked = best
-        elif not req.speculated and self.pool >= catch_up and \
+        elif not req.speculated and (self.pool >= catch_up or not self.prior_rounds) and \
                 catch_up <= self.first_probe * self._saving(seq, self._best_case(k_max, costs)):
             req.pool_probe = True  # a new request's first probe, paid from the engine-wide pool
             req.asked = best
@@ -573,6 +596,7 @@ class AdaptiveController:
             tested = n + 1
         req.depth = max(req.depth, tested)
         self._grow(self.prior, tested)
+        self.prior_rounds += tested > 0
         req.acceptance.extend(self.prior[len(req.acceptance):tested])
         req.trials.extend([0] * (len(req.acceptance) - len(req.trials)))
         for i in range(tested):
