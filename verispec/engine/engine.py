@@ -53,8 +53,10 @@ samples priced drafting out and, drafting never again, never measured it anew. S
 that builds an :class:`~verispec.spec.controller.AdaptiveController` (``"adaptive": true``)
 runs each verify width 1..k+1 on a scratch slot when it is built (one cold run, then the median
 of three), and the drafter's own calibration when it has one (``calibrate``, see
-:mod:`verispec.spec.base`), and seeds the cost model with the warm timings. Rounds then refine
-them as usual.
+:mod:`verispec.spec.base`), and seeds the cost model with the warm timings. Each time but the
+decode step's own is taken as a ratio to a decode step run just before it, since the host's speed
+drifts within seconds and the controller decides on ratios (v(n), the draft cost c). Rounds then
+refine them as usual.
 """
 
 from __future__ import annotations
@@ -74,7 +76,14 @@ from verispec.sampling import logits_to_probs, make_generator
 from verispec.spec.base import (
     EMPTY_PROPOSAL, AuxBranch, Drafter, DrafterContext, Outcome, Proposal, build_drafter,
 )
-from verispec.spec.controller import AdaptiveController, Controller, RoundReport, build_controller, warm_seconds
+from verispec.spec.controller import (
+    AdaptiveController,
+    Controller,
+    RoundReport,
+    build_controller,
+    relative_time,
+    warm_seconds,
+)
 from verispec.spec.metrics import SpecMetrics
 from verispec.spec.tree import Tree, tree_layout
 from verispec.spec.tree_verify import verify_tree_greedy, verify_tree_stochastic
@@ -215,32 +224,41 @@ class Engine:
 
     def _calibrate(self, controller: AdaptiveController) -> None:
         """Seed ``controller.costs`` with warm timings of every verify width 1..k+1 and the
-        drafter's costs (see the module doc). Runs on a free slot, which is left empty."""
+        drafter's costs (see the module doc). Each is timed against a one-position pass run
+        just before it (:func:`~verispec.spec.controller.relative_time`), so that the cost
+        ratios do not depend on how the host's speed drifted between them. Runs on a free slot,
+        which is left empty."""
         slot, device = self.free_slots[-1], self.model.device
         context = min(self.CALIBRATION_CONTEXT, self.max_model_len - self.k - 2)
         token = 0  # any id: only the time matters
-        if context >= 1:
-            self.cache.reset(slot)
-            ids = torch.full((1, context), token, device=device)
-            self.model(ids, torch.arange(context, device=device)[None], self.cache, slots=[slot], num_logits=1,
-                       prefill=True)
+        if context < 1:
+            return  # no room for a scratch context: the rounds measure everything
+        self.cache.reset(slot)
+        ids = torch.full((1, context), token, device=device)
+        self.model(ids, torch.arange(context, device=device)[None], self.cache, slots=[slot], num_logits=1,
+                   prefill=True)
 
-            def verify(n: int) -> None:
-                self.model(torch.full((1, n), token, device=device),
-                           torch.arange(context, context + n, device=device)[None], self.cache, slots=[slot])
-                self.cache.truncate(slot, context)
+        def verify(n: int) -> None:
+            self.model(torch.full((1, n), token, device=device),
+                       torch.arange(context, context + n, device=device)[None], self.cache, slots=[slot])
+            self.cache.truncate(slot, context)
 
-            for n in range(1, self.k + 2):
-                controller.costs.observe_target(n, warm_seconds(lambda: verify(n)))
-            self.cache.reset(slot)
+        def step() -> None:
+            verify(1)
+
+        t1 = warm_seconds(step)
+        controller.costs.observe_target(1, t1)
+        for n in range(2, self.k + 2):
+            controller.costs.observe_target(n, t1 * relative_time(lambda: verify(n), step))
         calibrate = getattr(self.drafter, "calibrate", None)
         if calibrate is not None:
-            step_s, reads, resumes = calibrate(slot, token)
-            controller.costs.observe_draft(1, step_s)
-            for missed, seconds in resumes:
-                controller.costs.observe_catch_up(missed, 0, seconds)
-            for missed, seconds in reads:
-                controller.costs.observe_catch_up(missed, 0, seconds, prompt=missed)
+            draft_step, reads, resumes = calibrate(slot, token, step)  # in decode steps
+            controller.costs.observe_draft(1, draft_step * t1)
+            for missed, steps in resumes:
+                controller.costs.observe_catch_up(missed, 0, steps * t1)
+            for missed, steps in reads:
+                controller.costs.observe_catch_up(missed, 0, steps * t1, prompt=missed)
+        self.cache.reset(slot)
 
     # ---- phases ------------------------------------------------------------------------------
 

@@ -17,10 +17,11 @@ A proposal is a chain unless it carries ``parents``: then its tokens are the nod
 tree (see :mod:`verispec.spec.tree`) verified in one target pass. Chain drafters never set it.
 
 A drafter with costs of its own worth timing up front may also have
-``calibrate(slot, token) -> (seconds per draft step, [(prompt length, seconds to read it)],
-[(generated tokens, seconds to catch up on them)])``,
-which an engine with an adaptive controller calls once, on an empty slot, when it is built
-(the draft model has it; prompt lookup's costs are too small to need it).
+``calibrate(slot, token, reference) -> (a draft step, [(prompt length, time to read it)],
+[(generated tokens, time to catch up on them)])``, every time in runs of ``reference()`` (the
+target's decode step) timed just before it, which an engine with an adaptive controller calls
+once, on an empty slot, when it is built (the draft model has it; prompt lookup's costs are too
+small to need it).
 """
 
 from __future__ import annotations

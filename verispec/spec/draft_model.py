@@ -18,16 +18,17 @@ settings and generator, and returns q with the tokens, so verification stays exa
 
 from __future__ import annotations
 
-import torch
-
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+import torch
 
 from verispec.config import SpeculativeConfig
 from verispec.engine.sequence import Sequence
 from verispec.models.decoder import PREFILL_MIN_TOKENS
 from verispec.sampling import logits_to_probs, sample
 from verispec.spec.base import DrafterContext, Outcome, Proposal, register_drafter
-from verispec.spec.controller import warm_seconds
+from verispec.spec.controller import relative_time
 
 if TYPE_CHECKING:
     from verispec.models.loader import LoadedModel
@@ -118,20 +119,22 @@ class DraftModelDrafter:
     CALIBRATION_READS = (32, 64, 128, 256)  # prompt lengths timed by :meth:`calibrate`
     CALIBRATION_RESUMES = (8, 16, 32, DECODE_CHUNK)  # catch-ups on generated tokens timed by it
 
-    def calibrate(self, slot: int, token: int) -> tuple[float, list[tuple[int, float]], list[tuple[int, float]]]:
-        """Warm timings for a cost model (:func:`~verispec.spec.controller.warm_seconds`):
-        (seconds per draft step, [(prompt length, seconds to read it)], [(generated tokens,
-        seconds to catch up on them)]): a prompt is read in one pass, generated tokens in the
-        decode-sized passes of :meth:`catch_up`. Leaves ``slot`` empty."""
+    def calibrate(self, slot: int, token: int, reference: Callable[[], object]
+                  ) -> tuple[float, list[tuple[int, float]], list[tuple[int, float]]]:
+        """Warm timings for a cost model, each in runs of ``reference`` (the target's decode
+        step) timed just before it (:func:`~verispec.spec.controller.relative_time`): (a draft
+        step, [(prompt length, time to read it)], [(generated tokens, time to catch up on
+        them)]). A prompt is read in one pass, generated tokens in the decode-sized passes of
+        :meth:`catch_up`. Leaves ``slot`` empty."""
         room = self.cache.max_len - 4  # a read, then the step's four single-token passes
 
         def read(length: int) -> None:
             self.cache.reset(slot)
             self._forward(slot, [token] * length, prefill=True)
 
-        reads = [(n, warm_seconds(lambda: read(n))) for n in [n for n in self.CALIBRATION_READS if n <= room]
-                 or [max(room, 1)]]
-        step = warm_seconds(lambda: self._forward(slot, [token]))  # after the last read
+        reads = [(n, relative_time(lambda: read(n), reference))
+                 for n in [n for n in self.CALIBRATION_READS if n <= room] or [max(room, 1)]]
+        step = relative_time(lambda: self._forward(slot, [token]), reference)  # after the last read
         context = min(self.CALIBRATION_READS[0], room // 2)
         read(context)
 
@@ -139,7 +142,8 @@ class DraftModelDrafter:
             self._forward(slot, [token] * length)
             self.cache.truncate(slot, context)
 
-        resumes = [(n, warm_seconds(lambda: resume(n))) for n in self.CALIBRATION_RESUMES if context + n <= room]
+        resumes = [(n, relative_time(lambda: resume(n), reference))
+                   for n in self.CALIBRATION_RESUMES if context + n <= room]
         self.cache.reset(slot)
         return step, reads, resumes
 
