@@ -43,7 +43,11 @@ speculation must beat plain decoding by a ``margin`` (2%) in prediction, not mer
 since at break-even the estimation noise alone makes it lose. Once drafting, it goes on while
 speculation is predicted to lose at most ``stay`` (5%, and under half of one extra verified
 position's cost, so failing drafts always stop it): stopping has a price, the probes it takes to
-come back, and a noisy estimate dipping below break-even should not pay it.
+come back, and a noisy estimate dipping below break-even should not pay it. A request stays
+"drafting" through rounds whose drafter had nothing to propose (prompt lookup finds no match in
+about half the rounds of a typical answer); otherwise each such round would reset it to needing
+the margin, and a prompt-lookup request whose drafts survive 25% of the time would draft in only
+about half the rounds where it could.
 
 When no k > 0 beats plain decoding the request runs plain rounds, but probes now and then with
 the best k, so speculation returns once the content becomes predictable again. Probes are paid
@@ -66,8 +70,9 @@ that fraction of the plain-round time however expensive it is: a failed prompt-l
 (~alpha lost) waits ~alpha / 0.03 rounds, while a draft model waits in proportion to its
 catch-up, and a new request whose prior says speculation does not pay pays a draft model's
 prompt prefill for a probe only from what the engine has earned: an engine-wide pool, filled by
-every plain round like the request budgets, funds a new request's first probe when it holds the
-catch-up and the catch-up is at most ``first_probe`` (a quarter) of what speculation could save
+every plain round like the request budgets and by what drafting rounds gain beyond what their
+request owed (gains that the capped request budget would drop), funds a new request's first
+probe when it holds the catch-up and the catch-up is at most ``first_probe`` (a quarter) of what speculation could save
 at best over the tokens the request may still take: the measured costs with every draft
 surviving 90% of the time. Where a draft model cannot pay much even on predictable content (on a
 2-core CPU a 0.5B draft costs half a 1.5B target step per token and gains under 10% at best),
@@ -434,6 +439,7 @@ class _Request:
     acceptance: list[float]  # [k] per-position conditional acceptance estimates
     trials: list[int] = field(default_factory=list)  # [k] how often this request tested position k
     drafted_last: bool = False  # the drafter is in sync (it drafted last round)
+    drafting: bool = False  # the request speculates: its last round with drafts, or a later one asking for some
     balance: float = 0.0  # exploration budget in seconds; a probe is allowed when >= 0
     depth: int = 0  # the deepest draft position this request has tested (accepted, or the first rejected)
     seen: int = 0  # tokens of the request the drafter had read by its last drafting round
@@ -508,7 +514,7 @@ class AdaptiveController:
             raise ValueError(f"settle must be >= 1, got {settle}")
         self.settle = settle
         self.ramp, self.margin, self.stay, self.first_probe = ramp, margin, stay, first_probe
-        self.pool = 0.0  # engine-wide exploration budget for new requests' first probes (seconds)
+        self.pool = 0.0  # engine-wide budget for new requests' first probes (seconds): plain rounds, surpluses
         self.prior_rounds = 0  # rounds that taught the engine-wide prior (0: it is only a guess)
         self.prior_calibration: tuple[float, float] | None = None  # (accepted, predicted) EMAs, engine-wide
         # Per-request state lives as long as its sequence does.
@@ -531,7 +537,7 @@ class AdaptiveController:
         # at most ``stay`` (and less than half of what one extra verified position costs, so
         # that failing drafts always stop it); one that is not needs a gain of ``margin``.
         stay = max(min(self.stay, (costs[1][1] - 1.0) / 2), 0.0)
-        threshold = gains[0] * ((1 - stay) if req.drafted_last else (1 + self.margin))
+        threshold = gains[0] * ((1 - stay) if req.drafting else (1 + self.margin))
         if gains[best] > threshold and (catch_up == 0 or catch_up <= self._saving(seq, gains[best])):
             req.asked = best
         # A probe: only once the budget covers what catching the drafter up is known to cost.
@@ -588,6 +594,9 @@ class AdaptiveController:
         if n > 0:
             req.seen = seq.num_tokens
         req.drafted_last = n > 0
+        # A round whose drafter had nothing to propose (prompt lookup without a match) does not
+        # end drafting; a round that asked for no drafts does.
+        req.drafting = n > 0 or (req.drafting and req.asked > 0)
         tested = min(a + 1, n)  # drafts 1..a were accepted, draft a+1 (if proposed) rejected
         short = n < req.asked and width > n + 1 and not report.depth
         if short:
@@ -623,7 +632,11 @@ class AdaptiveController:
                 self.pool -= loss
                 req.pool_probe = False
             else:
-                req.balance = min(req.balance - loss, 0.0)
+                # A gain first repays what the request owes; the surplus is the engine's, to fund
+                # other requests' first probes (see the module doc).
+                balance = req.balance - loss
+                req.balance = min(balance, 0.0)
+                self.pool += max(balance, 0.0)
 
     # ---- helpers -----------------------------------------------------------------------
 
