@@ -72,13 +72,14 @@ catch-up, and a new request whose prior says speculation does not pay pays a dra
 prompt prefill for a probe only from what the engine has earned: an engine-wide pool, filled by
 every plain round like the request budgets and by what drafting rounds gain beyond what their
 request owed (gains that the capped request budget would drop), funds a new request's first
-probe when it holds the catch-up and the catch-up is at most ``first_probe`` (a quarter) of what speculation could save
-at best over the tokens the request may still take: the measured costs with every draft
-surviving 90% of the time. Where a draft model cannot pay much even on predictable content (on a
-2-core CPU a 0.5B draft costs half a 1.5B target step per token and gains under 10% at best),
-reading a new request's prompt for a probe is a loss however full the pool, and it is not made.
-Without it a prior shaped by unpredictable requests would keep a draft model off for good, since
-a request's own budget grows more slowly than the catch-up it would need. Until some round has
+probe when it holds the catch-up and the catch-up is at most ``first_probe`` (a quarter) of what
+speculation could save at best over the tokens the request may still take: the measured costs
+with every draft surviving 90% of the time. Where a draft model cannot pay much even on
+predictable content (on a 2-core CPU a 0.5B draft costs half a 1.5B target step per token and
+gains under 10% at best), reading a new request's prompt for a probe is a loss however full the
+pool, and it is not made. Without the pool, a prior shaped by unpredictable requests would keep
+a draft model off for good, since a request's own budget grows more slowly than the catch-up it
+would need. Until some round has
 tested a draft, though, the prior is a guess (``prior_acceptance``), not evidence that
 speculation does not pay, and an empty pool would keep a fresh engine's draft model off for its
 first request's whole answer (~100 plain rounds to earn a 60-token prompt read): so the pool's
