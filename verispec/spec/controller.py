@@ -79,12 +79,12 @@ predictable content (on a 2-core CPU a 0.5B draft costs half a 1.5B target step 
 gains under 10% at best), reading a new request's prompt for a probe is a loss however full the
 pool, and it is not made. Without the pool, a prior shaped by unpredictable requests would keep
 a draft model off for good, since a request's own budget grows more slowly than the catch-up it
-would need. Until some round has
-tested a draft, though, the prior is a guess (``prior_acceptance``), not evidence that
-speculation does not pay, and an empty pool would keep a fresh engine's draft model off for its
-first request's whole answer (~100 plain rounds to earn a 60-token prompt read): so the pool's
-balance is not required then, only the quarter-of-the-saving bound. A probe that gains
-earns credit, so a recovering request probes again at once.
+would need. Until some round has tested a draft, though, the prior is a guess
+(``prior_acceptance``), not evidence that speculation does not pay, and an empty pool would keep
+a fresh engine's draft model off for its first request's whole answer (~100 plain rounds to earn
+a 60-token prompt read): so the pool's balance is not required then, only the
+quarter-of-the-saving bound. A probe that gains earns credit, so a recovering request probes
+again at once.
 
 A request does not stop on thin evidence, though: a draft model's catch-up grows with every
 plain round faster than the budget, so in practice a stop is for the rest of the answer, and an
