@@ -1,0 +1,201 @@
+"""Native CPU kernels: matmuls on GGUF's own quantized weights, batch invariant by construction.
+
+The C++ sources in ``csrc/`` are compiled on first use into a PyTorch extension cached under
+``$VERISPEC_HOME/kernels/<key>/`` (the key hashes the sources, the compiler, torch and Python),
+with a one-line message on stderr while it compiles. Every ISA path is compiled into the one
+library and picked at run time from the CPU's flags, so a cached build serves any x86-64 CPU.
+Without a working compiler :func:`native` returns None after a warning, and callers fall back to
+PyTorch kernels.
+
+Contract (stated in full in ``csrc/qgemm.h``): activations are quantized per row in blocks, dot
+products are exact int32 sums, and every output is one fp32 accumulation in a fixed order, with
+threads splitting output columns only. So a row's result is bit-identical whatever the number of
+rows beside it, the thread count and the ISA path (``scalar``, ``avx2``, ``avx512``); the tests
+check all three against each other for M = 1..16 and 1 or 2 threads. The weights are the file's
+own: :func:`dequantize` of a packed weight equals ``gguf.quants.dequantize`` of its blocks bit
+for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("ref.cpp", "avx2.cpp", "avx512.cpp", "ops.cpp")
+HEADERS = ("qgemm.h",)
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+# ggml type ids of the formats the kernels run (GGMLQuantizationType values)
+FORMATS = {"Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+TILE = 16  # output columns per packed tile
+
+
+class KernelError(RuntimeError):
+    """The native kernels cannot run this weight or input."""
+
+
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        h.update(name.encode())
+        h.update((CSRC / name).read_bytes())
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = "unknown"
+    h.update(f"{version}|{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}".encode())
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def native():
+    """The compiled extension module, building it on first use; None where it cannot be built."""
+    if os.environ.get("VERISPEC_NATIVE", "1") == "0":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        warnings.warn(
+            f"verispec's native kernels are written for x86-64, not {platform.machine()}; "
+            "quantized GGUF models run through PyTorch's kernels instead (several times slower per token)",
+            stacklevel=2,
+        )
+        return None
+    from verispec.models.registry import verispec_home
+    from torch.utils import cpp_extension
+
+    build = verispec_home() / "kernels" / _build_key()
+    build.mkdir(parents=True, exist_ok=True)
+    fresh = not any(build.glob("*.so"))
+    if fresh:
+        print("verispec: compiling the native CPU kernels (once, about a minute)...", file=sys.stderr, flush=True)
+    try:
+        return cpp_extension.load(
+            name="verispec_kernels",
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=["-O3", "-ffp-contract=off", "-std=c++17"],
+            build_directory=str(build),
+            verbose=False,
+        )
+    except (OSError, RuntimeError, subprocess.SubprocessError, ImportError) as exc:
+        if shutil.which(os.environ.get("CXX", "c++")) is None:
+            why = "no C++ compiler was found"
+        else:
+            why = f"the build failed ({str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r})"
+        warnings.warn(
+            f"verispec's native CPU kernels are unavailable: {why}. Quantized GGUF models fall back to "
+            "PyTorch's kernels, several times slower per token and per verified draft token.",
+            stacklevel=2,
+        )
+        return None
+
+
+def available() -> bool:
+    return native() is not None
+
+
+def _lib():
+    lib = native()
+    if lib is None:
+        raise KernelError("the native CPU kernels are not available on this machine (see the warning above)")
+    return lib
+
+
+def supported_isas() -> list[str]:
+    """The ISA paths this CPU can run, slowest first (``scalar`` always)."""
+    names = {v: k for k, v in ISAS.items()}
+    return [names[i] for i in _lib().supported_isas()]
+
+
+def best_isa() -> str:
+    return supported_isas()[-1]
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """One GGUF weight [n, k] (n output features) repacked into the kernels' tile layout."""
+
+    fmt: int  # ggml type id
+    n: int
+    k: int
+    data: Tensor  # uint8, the layout of csrc/qgemm.h
+
+    @property
+    def kb(self) -> int:
+        """The activation block this format quantizes inputs in."""
+        return 256 if self.fmt in (FORMATS["Q4_K"], FORMATS["Q6_K"]) else 32
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def format_name(fmt: int) -> str:
+    return next((k for k, v in FORMATS.items() if v == fmt), f"type {fmt}")
+
+
+def check_format(fmt: int, n: int, k: int) -> None:
+    """Raise :class:`KernelError` unless the kernels can run a [n, k] weight of type ``fmt``."""
+    if fmt not in FORMATS.values():
+        raise KernelError(f"GGUF type {fmt} is not run by the native kernels (they run {', '.join(FORMATS)})")
+    kb = 256 if fmt in (FORMATS["Q4_K"], FORMATS["Q6_K"]) else 32
+    if n % TILE or k % kb:
+        raise KernelError(
+            f"a {format_name(fmt)} weight of shape [{n}, {k}] cannot be run: the kernels need output "
+            f"features in multiples of {TILE} and input features in multiples of {kb}"
+        )
+
+
+def repack(fmt: int, raw: np.ndarray | Tensor, n: int, k: int) -> PackedWeight:
+    """Repack a GGUF tensor's raw blocks (``n`` rows of ``k`` weights each) into the tile layout."""
+    check_format(fmt, n, k)
+    data = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1)) if isinstance(raw, np.ndarray) \
+        else raw.contiguous().view(torch.uint8).reshape(-1)
+    return PackedWeight(fmt, n, k, _lib().repack(fmt, data, n, k))
+
+
+def dequantize(w: PackedWeight) -> Tensor:
+    """The float32 weight [n, k] the kernels multiply by (equal to gguf's dequantization)."""
+    return _lib().dequantize(w.fmt, w.data, w.n, w.k)
+
+
+def quantize_rows(x: Tensor, kb: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row activation quantization: (q int8 [M, K], dx float32 [M, K/kb], bs int16 [M, K/16])."""
+    return tuple(_lib().quantize_rows(x.float().contiguous(), kb))
+
+
+def matmul(x: Tensor, weights: list[PackedWeight], isa: str | None = None) -> Tensor:
+    """``x [M, K]`` times the weights stacked along the output dim: float32 ``[M, sum n]``.
+
+    Activations are quantized once per distinct activation block size. ``isa`` forces a path
+    (``scalar``, ``avx2``, ``avx512``; tests use it); None picks the best this CPU runs.
+    """
+    lib = _lib()
+    if x.dim() != 2:
+        raise KernelError(f"matmul takes x [M, K], got shape {tuple(x.shape)}")
+    k = x.shape[1]
+    if any(w.k != k for w in weights):
+        raise KernelError(f"input has {k} features but a weight takes {[w.k for w in weights]}")
+    code = -1 if isa is None else ISAS[isa]
+    x32 = x.float().contiguous()
+    out = torch.empty(x.shape[0], sum(w.n for w in weights), dtype=torch.float32)
+    acts: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+    col = 0
+    for w in weights:
+        if w.kb not in acts:
+            acts[w.kb] = lib.quantize_rows(x32, w.kb)
+        q, dx, bs = acts[w.kb]
+        lib.gemm(w.fmt, w.data, w.n, w.k, q, dx, bs, out, col, code)
+        col += w.n
+    return out

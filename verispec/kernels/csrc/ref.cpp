@@ -1,0 +1,251 @@
+// The scalar definitions: formats, GGUF block decoding and repacking, gguf-exact
+// dequantization, per-row activation quantization, and the reference row loop that every ISA
+// path must match bit for bit. Nothing here depends on the CPU.
+#include <cmath>
+#include <cstring>
+
+#include "qgemm.h"
+
+namespace verispec {
+
+bool format_info(int fmt, FormatInfo* out) {
+  switch (fmt) {
+    case Q4_K: *out = {256, 32, 144, true, false, true, true, true}; return true;
+    case Q6_K: *out = {256, 16, 210, false, false, true, true, false}; return true;
+    case Q5_0: *out = {32, 32, 22, false, false, false, true, false}; return true;
+    case Q4_1: *out = {32, 32, 20, true, false, false, true, true}; return true;
+    case Q8_0: *out = {32, 32, 34, false, true, false, false, false}; return true;
+    default: return false;
+  }
+}
+
+float fp16_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do { man <<= 1; ++e; } while (!(man & 0x400));
+      bits = sign | (uint32_t)(127 - 15 - e) << 23 | (man & 0x3ff) << 13;
+    }
+  } else {
+    bits = sign | (exp + 112) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static uint16_t rd16(const uint8_t* p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+void decode_block(int fmt, const uint8_t* b, Decoded* out) {
+  switch (fmt) {
+    case Q4_K: {
+      out->d = rd16(b);
+      out->dmin = rd16(b + 2);
+      const uint8_t* s = b + 4;
+      const uint8_t* qs = b + 16;
+      for (int j = 0; j < 4; ++j) {
+        out->sc[j] = s[j] & 63;
+        out->mn[j] = s[j + 4] & 63;
+        out->sc[j + 4] = (s[j + 8] & 0xf) | (s[j] >> 6) << 4;
+        out->mn[j + 4] = (s[j + 8] >> 4) | (s[j + 4] >> 6) << 4;
+      }
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < 32; ++i) {
+          out->q[64 * c + i] = qs[32 * c + i] & 0xf;
+          out->q[64 * c + 32 + i] = qs[32 * c + i] >> 4;
+        }
+      return;
+    }
+    case Q6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = (const int8_t*)(b + 192);
+      out->d = rd16(b + 208);
+      for (int j = 0; j < 16; ++j) out->sc[j] = sc[j];
+      for (int h = 0; h < 2; ++h) {
+        for (int s = 0; s < 2; ++s)
+          for (int i = 0; i < 64; ++i) out->q[128 * h + 64 * s + i] = (ql[64 * h + i] >> (4 * s)) & 0xf;
+        for (int s = 0; s < 4; ++s)
+          for (int i = 0; i < 32; ++i)
+            out->q[128 * h + 32 * s + i] |= ((qh[32 * h + i] >> (2 * s)) & 3) << 4;
+      }
+      return;
+    }
+    case Q5_0: {
+      out->d = rd16(b);
+      const uint32_t qh = (uint32_t)b[2] | (uint32_t)b[3] << 8 | (uint32_t)b[4] << 16 | (uint32_t)b[5] << 24;
+      const uint8_t* qs = b + 6;
+      for (int i = 0; i < 16; ++i) {
+        out->q[i] = (qs[i] & 0xf) | ((qh >> i) & 1) << 4;
+        out->q[16 + i] = (qs[i] >> 4) | ((qh >> (16 + i)) & 1) << 4;
+      }
+      return;
+    }
+    case Q4_1: {
+      out->d = rd16(b);
+      out->dmin = rd16(b + 2);
+      for (int i = 0; i < 16; ++i) {
+        out->q[i] = b[4 + i] & 0xf;
+        out->q[16 + i] = b[4 + i] >> 4;
+      }
+      return;
+    }
+    case Q8_0: {
+      out->d = rd16(b);
+      for (int i = 0; i < 32; ++i) out->q[i] = (int8_t)b[2 + i];
+      return;
+    }
+  }
+}
+
+// Layout offsets inside one tile superblock.
+static const uint8_t* scales_of(const FormatInfo& f, const uint8_t* tile) { return tile + f.weight_bytes(); }
+static const uint16_t* d_of(const FormatInfo& f, const uint8_t* tile) {
+  return (const uint16_t*)(tile + f.weight_bytes() + f.scale_bytes());
+}
+
+void write_tile(const FormatInfo& f, const Decoded* cols, uint8_t* tile) {
+  const int G = f.groups();
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < kTile; ++c)
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t v = (uint8_t)cols[c].q[4 * g + j];
+        uint8_t* p = tile + (f.nibbles ? g % (G / 2) : g) * 64 + 4 * c + j;
+        if (!f.nibbles) *p = v;
+        else if (g < G / 2) *p = v;
+        else *p |= (uint8_t)(v << 4);
+      }
+  uint8_t* s = tile + f.weight_bytes();
+  if (f.int_scales) {
+    for (int k = 0; k < f.nsub(); ++k)
+      for (int c = 0; c < kTile; ++c) {
+        s[k * kTile + c] = (uint8_t)cols[c].sc[k];
+        if (f.stores_dmin) s[(f.nsub() + k) * kTile + c] = (uint8_t)cols[c].mn[k];
+      }
+  }
+  uint16_t* d = (uint16_t*)(tile + f.weight_bytes() + f.scale_bytes());
+  for (int c = 0; c < kTile; ++c) {
+    d[c] = cols[c].d;
+    if (f.stores_dmin) d[kTile + c] = cols[c].dmin;
+  }
+}
+
+// The integer scale, offset and fp scales of sub k, column c, in the contract's terms.
+static inline int32_t scale_of(const FormatInfo& f, int fmt, const uint8_t* tile, int k, int c) {
+  if (!f.int_scales) return 1;
+  const uint8_t* s = scales_of(f, tile);
+  return fmt == Q6_K ? (int32_t)(int8_t)s[k * kTile + c] : (int32_t)s[k * kTile + c];
+}
+static inline int32_t offset_of(const FormatInfo& f, int fmt, const uint8_t* tile, int k, int c) {
+  switch (fmt) {
+    case Q4_K: return scales_of(f, tile)[(f.nsub() + k) * kTile + c];
+    case Q6_K: return 32 * scale_of(f, fmt, tile, k, c);
+    case Q5_0: return 16;
+    case Q4_1: return 1;
+    default: return 0;
+  }
+}
+static inline float dmin_of(const FormatInfo& f, int fmt, const uint8_t* tile, int c) {
+  const uint16_t* d = d_of(f, tile);
+  switch (fmt) {
+    case Q4_K: return fp16_to_float(d[kTile + c]);
+    case Q4_1: return -fp16_to_float(d[kTile + c]);
+    case Q8_0: return 0.0f;
+    default: return fp16_to_float(d[c]);
+  }
+}
+
+static inline int32_t weight_at(const FormatInfo& f, const uint8_t* tile, int k, int c) {
+  const int G = f.groups(), g = k / 4, j = k % 4;
+  if (f.nibbles) {
+    const uint8_t b = tile[(g % (G / 2)) * 64 + 4 * c + j];
+    return g < G / 2 ? (b & 0xf) : (b >> 4);
+  }
+  const uint8_t b = tile[g * 64 + 4 * c + j];
+  return f.signed_w ? (int32_t)(int8_t)b : (int32_t)b;
+}
+
+void superblock_scalar(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s,
+                       float* acc) {
+  const int nsub = f.nsub(), kb = f.kb, nsb = (int)(a.k / kb);
+  const uint16_t* d = d_of(f, tile);
+  for (int64_t m = 0; m < a.m; ++m) {
+    const int8_t* xq = a.q + m * a.k + s * kb;
+    const int16_t* bs = a.bs + m * (a.k / 16) + s * (kb / 16);
+    const float dx = a.dx[m * nsb + s];
+    for (int c = 0; c < kTile; ++c) {
+      int32_t isum = 0, msum = 0;
+      for (int k = 0; k < nsub; ++k) {
+        int32_t sum = 0, bsum = 0;
+        for (int i = k * f.sub; i < (k + 1) * f.sub; ++i) sum += weight_at(f, tile, i, c) * (int32_t)xq[i];
+        for (int i = k * f.sub / 16; i < (k + 1) * f.sub / 16; ++i) bsum += bs[i];
+        isum += scale_of(f, fmt, tile, k, c) * sum;
+        msum += offset_of(f, fmt, tile, k, c) * bsum;
+      }
+      float& y = acc[m * kTile + c];
+      y = std::fmaf(dx * fp16_to_float(d[c]), (float)isum, y);
+      if (f.has_offset) y = std::fmaf(-(dx * dmin_of(f, fmt, tile, c)), (float)msum, y);
+    }
+  }
+}
+
+void dequantize_tile(const FormatInfo& f, int fmt, const uint8_t* tile, float* out, int64_t ldo) {
+  // gguf's own order of operations per format (gguf.quants.*.dequantize_blocks).
+  const uint16_t* d = d_of(f, tile);
+  for (int c = 0; c < kTile; ++c) {
+    const float dc = fp16_to_float(d[c]);
+    for (int k = 0; k < f.kb; ++k) {
+      const int32_t w = weight_at(f, tile, k, c);
+      const int sub = k / f.sub;
+      float v;
+      switch (fmt) {
+        case Q4_K: {
+          const float dl = dc * (float)scale_of(f, fmt, tile, sub, c);
+          const float ml = fp16_to_float(d[kTile + c]) * (float)offset_of(f, fmt, tile, sub, c);
+          v = dl * (float)w - ml;
+          break;
+        }
+        case Q6_K: v = (dc * (float)scale_of(f, fmt, tile, sub, c)) * (float)(w - 32); break;
+        case Q5_0: v = dc * (float)(w - 16); break;
+        case Q4_1: v = dc * (float)w + fp16_to_float(d[kTile + c]); break;
+        default: v = (float)w * dc; break;
+      }
+      out[c * ldo + k] = v;
+    }
+  }
+}
+
+void quantize_row(const float* x, int64_t k, int kb, int8_t* q, float* dx, int16_t* bs) {
+  for (int64_t b = 0; b < k / kb; ++b) {
+    const float* xb = x + b * kb;
+    int8_t* qb = q + b * kb;
+    float amax = 0.0f;
+    for (int i = 0; i < kb; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    if (!(amax > 0.0f) || !std::isfinite(amax)) {
+      // zeros (or a non-finite row, which then yields zeros rather than undefined casts)
+      std::memset(qb, 0, kb);
+      dx[b] = amax > 0.0f ? amax : 0.0f;
+    } else {
+      const float iscale = 127.0f / amax;
+      for (int i = 0; i < kb; ++i) {
+        float v = std::nearbyint(xb[i] * iscale);
+        v = std::fmin(127.0f, std::fmax(-127.0f, v));
+        qb[i] = (int8_t)v;
+      }
+      dx[b] = 1.0f / iscale;
+    }
+  }
+  for (int64_t i = 0; i < k / 16; ++i) {
+    int32_t sum = 0;
+    for (int j = 0; j < 16; ++j) sum += q[16 * i + j];
+    bs[i] = (int16_t)sum;
+  }
+}
+
+}  // namespace verispec
