@@ -50,9 +50,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--dtype", default="auto", help="auto, bfloat16, float32 or float16 (default auto)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: the physical cores this process may use)")
-    g.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
-                   help="pack the target's linear layers: int8 per channel or int4 per group (CPU; "
-                   "default none). The draft's is set by the speculative config's 'quantization'")
+    g.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
+                   help="the target's linear layers: gguf runs a GGUF file's own quantized weights on "
+                   "the native CPU kernels, none dequantizes them, int8/int4 pack dense weights with "
+                   "PyTorch's kernels (CPU); auto (default) is gguf for a GGUF file on the CPU, else "
+                   "none. The draft's is set by the speculative config's 'quantization'")
     g.add_argument("--quantization-group-size", type=int, default=32, choices=(32, 64, 128),
                    help="int4 group size (default 32)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,

@@ -79,7 +79,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     adaptive: bool = True
-    quantization: str = "none"  # the draft model's weights: none, int8 or int4 (CPU)
+    quantization: str = "auto"  # the draft model's weights: auto, none, gguf, int8 or int4 (CPU)
     speculative_eagle_topk: int = 1
     num_draft_tokens: int | None = None
     speculative_token_tree: tuple[tuple[int, ...], ...] | None = None

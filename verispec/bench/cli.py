@@ -72,8 +72,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) CPU threads")
     b.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     b.add_argument("--dtype", default="auto", help="auto, bfloat16, float32 or float16 (default: auto)")
-    b.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
-                   help="pack the target's linear layers (CPU; default none); a draft model's is the "
+    b.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
+                   help="the target's linear layers (see verispec generate --help; default auto: a "
+                   "GGUF file's own weights on the native CPU kernels); a draft model's is the "
                    "method's quantization option, e.g. draft_model:M@quantization=int8")
     b.add_argument("--quantization-group-size", type=int, default=32, choices=(32, 64, 128),
                    help="int4 group size (default 32)")

@@ -160,8 +160,10 @@ def check_format(fmt: int, n: int, k: int) -> None:
 def repack(fmt: int, raw: np.ndarray | Tensor, n: int, k: int) -> PackedWeight:
     """Repack a GGUF tensor's raw blocks (``n`` rows of ``k`` weights each) into the tile layout."""
     check_format(fmt, n, k)
-    data = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1)) if isinstance(raw, np.ndarray) \
-        else raw.contiguous().view(torch.uint8).reshape(-1)
+    if isinstance(raw, np.ndarray):  # an own copy: the source is usually a read-only memory map
+        data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True).reshape(-1))
+    else:
+        data = raw.contiguous().view(torch.uint8).reshape(-1)
     return PackedWeight(fmt, n, k, _lib().repack(fmt, data, n, k))
 
 

@@ -48,6 +48,7 @@ from verispec.models.gguf_convert import (
     gguf_hf_config,
     read_gguf_header,
 )
+from verispec.kernels import KernelError
 from verispec.models.quant import DEFAULT_INT4_GROUP_SIZE, check_scheme, quantize_
 from verispec.models.registry import BUNDLED_MODELS, resolve_model
 from verispec.models.tokenizer import Tokenizer
@@ -175,38 +176,53 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "auto",
     progress: bool = True,
-    quantization: str = "none",
+    quantization: str = "auto",
     group_size: int = DEFAULT_INT4_GROUP_SIZE,
 ) -> LoadedModel:
     """Load a bundled model name, a Hugging Face model directory or a ``.gguf`` file.
 
     The device, dtype and quantization are checked first, so a bad argument fails before any
     download or conversion. A bundled model is fetched if needed; a GGUF file is converted on
-    first use (``progress`` shows a progress bar on stderr for both). ``quantization`` (``int8``
-    or ``int4`` with ``group_size``) packs the linear layers after loading, see
-    :func:`verispec.models.quant.quantize_`.
+    first use (``progress`` shows a progress bar on stderr for both). ``quantization``:
+    ``auto`` runs a GGUF file's own quantized weights on the native CPU kernels where they are
+    available (``gguf``, see :mod:`verispec.models.native`) and loads anything else dense
+    (``none``); ``int8`` or ``int4`` (with ``group_size``) pack the linear layers after loading,
+    see :func:`verispec.models.quant.quantize_`.
     """
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     check_scheme(quantization, group_size)
-    if quantization != "none" and dev.type != "cpu":
+    if quantization not in ("none", "auto") and dev.type != "cpu":
         raise ModelLoadError(f"quantization {quantization!r} runs on the CPU only; use quantization='none' on {dev}")
-    loaded = _load(spec, dev, torch_dtype, progress)
+    loaded, gguf_path = _load(spec, dev, torch_dtype, progress)
+    if quantization == "gguf" and gguf_path is None:
+        raise ModelLoadError(f"quantization 'gguf' runs a GGUF file's own weights, and {spec!s} is not a GGUF file")
+    if gguf_path is not None and (quantization == "gguf" or (quantization == "auto" and dev.type == "cpu")):
+        from verispec import kernels
+        from verispec.models.native import use_gguf_weights_
+
+        if quantization == "gguf" or kernels.available():
+            try:
+                use_gguf_weights_(loaded.model, gguf_path)
+            except KernelError as exc:
+                raise ModelLoadError(str(exc)) from None
     quantize_(loaded.model, quantization, group_size)
     return loaded
 
 
-def _load(spec: str | Path, dev: torch.device, torch_dtype: torch.dtype, progress: bool) -> LoadedModel:
+def _load(spec: str | Path, dev: torch.device, torch_dtype: torch.dtype,
+          progress: bool) -> tuple[LoadedModel, Path | None]:
+    """The model, and the GGUF file it came from (None for a Hugging Face directory)."""
     spec_str = os.fspath(spec)
     try:
         path = resolve_model(spec_str, progress=progress)
     except FileNotFoundError as exc:
         raise ModelFileNotFoundError(str(exc)) from None
     if path.is_dir():
-        return load_hf_dir(path, device=dev, dtype=torch_dtype, name=path.resolve().name)
+        return load_hf_dir(path, device=dev, dtype=torch_dtype, name=path.resolve().name), None
     hf_dir = convert_gguf(path, progress=progress)
     name = spec_str if spec_str in BUNDLED_MODELS else path.stem
-    return load_hf_dir(hf_dir, device=dev, dtype=torch_dtype, name=name)
+    return load_hf_dir(hf_dir, device=dev, dtype=torch_dtype, name=name), path
 
 
 # ---------------------------------------------------------------------------------------------

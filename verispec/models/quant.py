@@ -49,7 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-SCHEMES = ("none", "int8", "int4")
+# "auto": a GGUF file on the CPU runs its own quantized weights on the native kernels ("gguf",
+# see verispec.models.native) where they are available, anything else is "none" (dense weights).
+SCHEMES = ("auto", "none", "gguf", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP_SIZE = 32
 _COMPUTE_DTYPE = torch.bfloat16  # activations, scales and zeros
@@ -176,7 +178,7 @@ def quantize_(model: nn.Module, scheme: str, group_size: int = DEFAULT_INT4_GROU
     weights for prompt prefill; by default where the CPU has native bf16 arithmetic.
     """
     check_scheme(scheme, group_size)
-    if scheme == "none":
+    if scheme not in ("int8", "int4"):  # auto and gguf are the loader's (verispec.models.native)
         return model
     if model.device.type != "cpu":
         raise QuantizationError(

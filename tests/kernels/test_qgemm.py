@@ -1,0 +1,113 @@
+"""The native kernels' contract: gguf-exact weights, and rows bit-identical for every row count,
+thread count and ISA path.
+
+Weights here are random GGUF blocks (every byte random, the fp16 scales made finite), repacked
+by the kernels; the real models' tensors are checked in ``test_gguf_models.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from gguf.constants import GGML_QUANT_SIZES
+
+from verispec import kernels
+from verispec.kernels import FORMATS, KernelError
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable (no compiler)")
+
+# byte offsets of the fp16 scale fields in one GGUF block, per format
+_FP16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,)}
+
+
+def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF data [n, bytes per row] for a random [n, k] weight of type ``fmt``."""
+    rng = np.random.default_rng(seed)
+    block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
+    raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+    for off in _FP16_FIELDS[fmt]:
+        scales = (rng.standard_normal((n, k // block)) * 0.02).astype(np.float16)
+        raw[:, :, off : off + 2] = scales.view(np.uint8).reshape(n, k // block, 2)
+    return raw.reshape(n, -1)
+
+
+def gguf_weight(fmt: str, raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    return quants.dequantize(raw, GGMLQuantizationType[fmt]).reshape(n, k)
+
+
+def with_threads(n: int, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_repacked_weight_equals_gguf_dequantization(fmt):
+    n, k = 48, 512
+    raw = random_blocks(fmt, n, k)
+    w = kernels.repack(FORMATS[fmt], raw, n, k)
+    ours = kernels.dequantize(w).numpy()
+    assert ours.view(np.uint32).tobytes() == gguf_weight(fmt, raw, n, k).view(np.uint32).tobytes()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_rows_are_bit_identical_for_every_row_count_thread_count_and_isa(fmt):
+    n, k = 64, 512
+    w = kernels.repack(FORMATS[fmt], random_blocks(fmt, n, k, seed=1), n, k)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(2)) * 3
+    # the definition: each row alone, through the scalar reference, on one thread
+    alone = with_threads(1, lambda: torch.cat([kernels.matmul(x[i : i + 1], [w], "scalar") for i in range(16)]))
+    for isa in kernels.supported_isas():
+        for threads in (1, 2):
+            for m in range(1, 17):
+                got = with_threads(threads, lambda: kernels.matmul(x[:m], [w], isa))
+                assert torch.equal(got, alone[:m]), f"{fmt} {isa} threads={threads} M={m}"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_matmul_approximates_the_float_product(fmt):
+    """Per-row int8 activations cost well under 2% of the product's norm."""
+    n, k = 64, 512
+    raw = random_blocks(fmt, n, k, seed=3)
+    w = kernels.repack(FORMATS[fmt], raw, n, k)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(4))
+    exact = x.double() @ torch.from_numpy(gguf_weight(fmt, raw, n, k)).double().T
+    got = kernels.matmul(x, [w]).double()
+    assert ((got - exact).norm() / exact.norm()).item() < 0.02
+
+
+def test_fused_parts_equal_their_separate_products():
+    """q and k in Q4_K beside v in Q6_K (a Q4_K_M qkv) quantize x once and write side by side."""
+    k = 512
+    parts = [kernels.repack(FORMATS[f], random_blocks(f, n, k, seed=i), n, k)
+             for i, (f, n) in enumerate([("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)])]
+    x = torch.randn(3, k)
+    fused = kernels.matmul(x, parts)
+    assert torch.equal(fused, torch.cat([kernels.matmul(x, [p]) for p in parts], dim=1))
+
+
+def test_zero_and_tiny_rows():
+    n, k = 16, 256
+    w = kernels.repack(FORMATS["Q4_K"], random_blocks("Q4_K", n, k), n, k)
+    x = torch.zeros(2, k)
+    x[1, 7] = 1e-30
+    y = kernels.matmul(x, [w])
+    assert torch.equal(y[0], torch.zeros(n))
+    assert torch.isfinite(y).all()
+
+
+def test_bad_input_is_a_clear_error():
+    w = kernels.repack(FORMATS["Q8_0"], random_blocks("Q8_0", 16, 64), 16, 64)
+    with pytest.raises(KernelError, match="features"):
+        kernels.matmul(torch.randn(2, 32), [w])
+    with pytest.raises(KernelError, match="not run by the native kernels"):
+        kernels.check_format(1, 16, 64)  # F16
+    with pytest.raises(KernelError, match="multiples of 16"):
+        kernels.check_format(FORMATS["Q8_0"], 20, 64)
+    with pytest.raises(KernelError, match="multiples of 256"):
+        kernels.check_format(FORMATS["Q4_K"], 16, 96)

@@ -1,0 +1,140 @@
+"""A GGUF model's own quantized weights, run by the native kernels (:mod:`verispec.kernels`).
+
+:func:`use_gguf_weights_` swaps a loaded decoder's linear layers (the fused q/k/v and gate/up
+projections, the output and down projections, and the LM head) for :class:`NativeLinear`
+layers built from the GGUF file's blocks, repacked once and never requantized: the weight a
+kernel multiplies by is the file's, as gguf dequantizes it. A fused layer keeps one packed part
+per GGUF tensor, so q and k in Q4_K can sit beside v in Q6_K, as Q4_K_M files mix them. A layer
+whose tensors the kernels cannot run (float tensors, other types, widths off the kernels' grid)
+keeps its dense weights; :func:`use_gguf_weights_` reports how many did.
+
+Exactness. Each output row of a native layer is bit-identical whatever the number of rows and
+threads (the kernels' contract), so decode, verify and tree passes agree bit for bit, as
+speculative decoding needs. Prompt prefill (``PREFILL_MIN_TOKENS`` rows or more) on a CPU with
+native bf16 arithmetic multiplies by a dense bf16 copy instead (``dense``, the converted model's
+weight: the file's values rounded to bf16), because a bf16 GEMM with AMX or AVX512-BF16 is
+faster over hundreds of rows; plain and speculative decoding prefill alike, so outputs agree.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from verispec import kernels
+from verispec.kernels import KernelError, PackedWeight
+
+__all__ = ["NativeLinear", "use_gguf_weights_", "is_native"]
+
+
+class NativeLinear(nn.Module):
+    """``y = x @ W.T + bias`` with W given as packed GGUF parts stacked along the output dim."""
+
+    def __init__(self, parts: list[PackedWeight], bias: Tensor | None, dense: Tensor | None) -> None:
+        super().__init__()
+        self.parts = parts
+        self.in_features = parts[0].k
+        self.out_features = sum(p.n for p in parts)
+        for i, p in enumerate(parts):  # buffers, so the module's memory shows in its state
+            self.register_buffer(f"packed{i}", p.data, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("dense", dense, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = kernels.matmul(x.reshape(-1, self.in_features), self.parts)  # [M, N] float32
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def dense_forward(self, x: Tensor) -> Tensor:
+        """A prefill pass through the dense bf16 copy (see the module docstring)."""
+        y = nn.functional.linear(x.reshape(-1, self.in_features).to(self.dense.dtype), self.dense, self.bias)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def dequantize(self) -> Tensor:
+        """The float32 weight [N, K] the kernels multiply by."""
+        return torch.cat([kernels.dequantize(p) for p in self.parts])
+
+    def extra_repr(self) -> str:
+        kinds = ", ".join(f"{kernels.format_name(p.fmt)}[{p.n}]" for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, parts=({kinds})"
+
+
+def is_native(model: nn.Module) -> bool:
+    return any(isinstance(m, NativeLinear) for m in model.modules())
+
+
+def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bool | None = None) -> int:
+    """Replace ``model``'s linear layers by native layers on the GGUF's own blocks; returns how
+    many layers stayed dense. ``model`` is the :class:`~verispec.models.decoder.Decoder` loaded
+    from the same file. ``keep_dense``: keep the dense bf16 weights for prompt prefill (default:
+    where the CPU has native bf16 arithmetic). Raises :class:`KernelError` if the kernels are
+    unavailable."""
+    from verispec.models.decoder import cpu_has_native_bf16
+    from verispec.models.gguf_convert import _unpermute_rotary, read_gguf_header
+    from verispec.models.quant import _as_linear
+
+    if not kernels.available():
+        raise KernelError("the native CPU kernels are not available on this machine (see the warning above)")
+    if model.device.type != "cpu":
+        raise KernelError(f"the native kernels run on the CPU, not on {model.device.type}")
+    keep = cpu_has_native_bf16() if keep_dense is None else keep_dense
+    header = read_gguf_header(gguf_path)
+    infos = {t.name: t for t in header.tensors}
+    data = np.memmap(header.path, dtype=np.uint8, mode="r")
+    cfg = model.config
+    permute = {}
+    if header.architecture == "llama":  # llama.cpp permutes q/k rows for Llama only
+        permute = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+
+    def packed(name: str) -> PackedWeight | None:
+        info = infos.get(name)
+        if info is None or len(info.shape) != 2:
+            return None
+        n, k = info.shape
+        try:
+            kernels.check_format(info.ggml_type, n, k)
+        except KernelError:
+            return None
+        raw = data[info.offset : info.offset + info.nbytes].reshape(n, -1)
+        kind = name.split(".")[-2] if name.startswith("blk.") else ""
+        if kind in permute:  # rows are whole blocks, so the raw rows permute like the weights
+            raw = _unpermute_rotary(raw, permute[kind])
+        return kernels.repack(info.ggml_type, raw, n, k)
+
+    def native(layer: nn.Linear, names: list[str]) -> nn.Module:
+        parts = [packed(n) for n in names]
+        if any(p is None for p in parts) or sum(p.n for p in parts) != layer.out_features \
+                or parts[0].k != layer.in_features:
+            return layer
+        bias = None if layer.bias is None else layer.bias.detach().float()
+        return NativeLinear(parts, bias, layer.weight.detach() if keep else None)
+
+    dense = 0
+    for i, layer in enumerate(model.layers):
+        p = f"blk.{i}."
+        for attr, names in (("qkv", ["attn_q", "attn_k", "attn_v"]), ("o_proj", ["attn_output"]),
+                            ("gate_up", ["ffn_gate", "ffn_up"]), ("down", ["ffn_down"])):
+            old = getattr(layer, attr)
+            new = native(old, [f"{p}{n}.weight" for n in names])
+            dense += new is old
+            setattr(layer, attr, new)
+    head_name = "output.weight" if "output.weight" in infos else "token_embd.weight"
+    head = model.lm_head if model.lm_head is not None else _as_linear(model.embed.weight)
+    new_head = native(head, [head_name])
+    if new_head is head:
+        dense += 1
+    else:
+        model.lm_head = new_head
+    del data
+    if dense:
+        warnings.warn(
+            f"{Path(gguf_path).name}: {dense} linear layer(s) hold tensors the native kernels do not run "
+            "and keep their dense weights",
+            stacklevel=2,
+        )
+    return dense
