@@ -132,11 +132,6 @@ class PackedWeight:
     data: Tensor  # uint8, the layout of csrc/qgemm.h
 
     @property
-    def kb(self) -> int:
-        """The activation block this format quantizes inputs in."""
-        return 256 if self.fmt in (FORMATS["Q4_K"], FORMATS["Q6_K"]) else 32
-
-    @property
     def nbytes(self) -> int:
         return self.data.numel()
 
@@ -172,15 +167,15 @@ def dequantize(w: PackedWeight) -> Tensor:
     return _lib().dequantize(w.fmt, w.data, w.n, w.k)
 
 
-def quantize_rows(x: Tensor, kb: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row activation quantization: (q int8 [M, K], dx float32 [M, K/kb], bs int16 [M, K/16])."""
-    return tuple(_lib().quantize_rows(x.float().contiguous(), kb))
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row activation quantization: (q int8 [M, K], dx float32 [M, K/32], bs int16 [M, K/16])."""
+    return tuple(_lib().quantize_rows(x.float().contiguous()))
 
 
 def matmul(x: Tensor, weights: list[PackedWeight], isa: str | None = None) -> Tensor:
     """``x [M, K]`` times the weights stacked along the output dim: float32 ``[M, sum n]``.
 
-    Activations are quantized once per distinct activation block size. ``isa`` forces a path
+    Activations are quantized once, for all the weights. ``isa`` forces a path
     (``scalar``, ``avx2``, ``avx512``; tests use it); None picks the best this CPU runs.
     """
     lib = _lib()
@@ -190,14 +185,10 @@ def matmul(x: Tensor, weights: list[PackedWeight], isa: str | None = None) -> Te
     if any(w.k != k for w in weights):
         raise KernelError(f"input has {k} features but a weight takes {[w.k for w in weights]}")
     code = -1 if isa is None else ISAS[isa]
-    x32 = x.float().contiguous()
+    q, dx, bs = lib.quantize_rows(x.float().contiguous())
     out = torch.empty(x.shape[0], sum(w.n for w in weights), dtype=torch.float32)
-    acts: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
     col = 0
     for w in weights:
-        if w.kb not in acts:
-            acts[w.kb] = lib.quantize_rows(x32, w.kb)
-        q, dx, bs = acts[w.kb]
         lib.gemm(w.fmt, w.data, w.n, w.k, q, dx, bs, out, col, code)
         col += w.n
     return out

@@ -34,9 +34,11 @@ __all__ = ["NativeLinear", "use_gguf_weights_", "is_native"]
 class NativeLinear(nn.Module):
     """``y = x @ W.T + bias`` with W given as packed GGUF parts stacked along the output dim."""
 
-    def __init__(self, parts: list[PackedWeight], bias: Tensor | None, dense: Tensor | None) -> None:
+    def __init__(self, parts: list[PackedWeight], bias: Tensor | None, dense: Tensor | None,
+                 float_output: bool = False) -> None:
         super().__init__()
         self.parts = parts
+        self.float_output = float_output  # the LM head: logits stay float32, never rounded to bf16
         self.in_features = parts[0].k
         self.out_features = sum(p.n for p in parts)
         for i, p in enumerate(parts):  # buffers, so the module's memory shows in its state
@@ -48,7 +50,7 @@ class NativeLinear(nn.Module):
         y = kernels.matmul(x.reshape(-1, self.in_features), self.parts)  # [M, N] float32
         if self.bias is not None:
             y += self.bias
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return (y if self.float_output else y.to(x.dtype)).view(*x.shape[:-1], self.out_features)
 
     def dense_forward(self, x: Tensor) -> Tensor:
         """A prefill pass through the dense bf16 copy (see the module docstring)."""
@@ -106,13 +108,13 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
             raw = _unpermute_rotary(raw, permute[kind])
         return kernels.repack(info.ggml_type, raw, n, k)
 
-    def native(layer: nn.Linear, names: list[str]) -> nn.Module:
+    def native(layer: nn.Linear, names: list[str], head: bool = False) -> nn.Module:
         parts = [packed(n) for n in names]
         if any(p is None for p in parts) or sum(p.n for p in parts) != layer.out_features \
                 or parts[0].k != layer.in_features:
             return layer
         bias = None if layer.bias is None else layer.bias.detach().float()
-        return NativeLinear(parts, bias, layer.weight.detach() if keep else None)
+        return NativeLinear(parts, bias, layer.weight.detach() if keep and not head else None, float_output=head)
 
     dense = 0
     for i, layer in enumerate(model.layers):
@@ -125,7 +127,7 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
             setattr(layer, attr, new)
     head_name = "output.weight" if "output.weight" in infos else "token_embd.weight"
     head = model.lm_head if model.lm_head is not None else _as_linear(model.embed.weight)
-    new_head = native(head, [head_name])
+    new_head = native(head, [head_name], head=True)
     if new_head is head:
         dense += 1
     else:

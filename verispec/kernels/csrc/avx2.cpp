@@ -1,7 +1,7 @@
 // AVX2 path (with FMA and F16C): a 64-byte group is two ymm, columns 0-7 and 8-15.
-// Per row and group: maddubs (u8 weight x s8 activation -> int16 pairs), madd with the sub's
-// scale (-> int32 per column), add. Signed weights (Q8_0) move their signs onto the activations
-// with vpsignb. Integer sums and the fp32 epilogue follow the contract in qgemm.h.
+// Per row and group: maddubs (u8 weight x s8 activation -> int16 pairs), madd with ones
+// (-> int32 per column), add; per sub the fp32 steps of the contract. Signed weights (Q8_0) move
+// their signs onto the activations with vpsignb. Integer sums and the fp32 epilogue follow the contract in qgemm.h.
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
@@ -33,76 +33,68 @@ static void unpack_weights(const FormatInfo& f, const uint8_t* tile, Unpacked* u
   }
 }
 
-// The per-column scales of one tile superblock in the Unpacked form (see unpack_scales in
-// ref.cpp for the definition); one lane per column, two halves of 8.
-static inline __m256i pair16(__m256i lo, __m256i hi) {
-  return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(hi, 16));
+// dl and ml of every sub of one tile superblock, one lane per column in two halves of 8 (the
+// definitions are dl_of and ml_of in ref.cpp; the same fp32 products).
+static inline __m256 u8_as_float(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
-static inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
-static inline __m256i i8x8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+static inline __m256 i8_as_float(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
 
-static void unpack_scales_simd(int fmt, const FormatInfo& f, const uint8_t* tile, Unpacked* u) {
+static void unpack_scales(int fmt, const FormatInfo& f, const uint8_t* tile, Unpacked* u) {
   const uint8_t* s = tile + f.weight_bytes();
   const uint16_t* d16 = (const uint16_t*)(s + f.scale_bytes());
   for (int h = 0; h < 2; ++h) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 8 * h)));
-    _mm256_store_ps(u->d + 8 * h, d);
     switch (fmt) {
-      case Q4_K:
-        for (int k = 0; k < 8; ++k) {
-          const __m256i v = u8x8(s + 16 * k + 8 * h);
-          _mm256_store_si256((__m256i*)(u->sc[k] + 8 * h), pair16(v, v));
+      case Q4_K: {
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 16 + 8 * h)));
+        for (int j = 0; j < 8; ++j) {
+          _mm256_store_ps(u->dl[j] + 8 * h, _mm256_mul_ps(d, u8_as_float(s + 16 * j + 8 * h)));
+          _mm256_store_ps(u->ml[j] + 8 * h, _mm256_mul_ps(dmin, u8_as_float(s + 16 * (8 + j) + 8 * h)));
         }
-        for (int p = 0; p < 4; ++p)
-          _mm256_store_si256((__m256i*)(u->mn[p] + 8 * h),
-                             pair16(u8x8(s + 16 * (8 + 2 * p) + 8 * h), u8x8(s + 16 * (9 + 2 * p) + 8 * h)));
-        _mm256_store_ps(u->dmin + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 16 + 8 * h))));
         break;
-      case Q6_K:
-        for (int p = 0; p < 8; ++p) {
-          const __m256i lo = i8x8(s + 16 * (2 * p) + 8 * h), hi = i8x8(s + 16 * (2 * p + 1) + 8 * h);
-          _mm256_store_si256((__m256i*)(u->sc[2 * p] + 8 * h), pair16(lo, lo));
-          _mm256_store_si256((__m256i*)(u->sc[2 * p + 1] + 8 * h), pair16(hi, hi));
-          _mm256_store_si256((__m256i*)(u->mn[p] + 8 * h), pair16(_mm256_slli_epi32(lo, 5), _mm256_slli_epi32(hi, 5)));
-        }
-        _mm256_store_ps(u->dmin + 8 * h, d);
-        break;
-      default: {  // one sub per superblock, scale 1
-        _mm256_store_si256((__m256i*)(u->sc[0] + 8 * h), _mm256_set1_epi32(0x00010001));
-        const int off = fmt == Q5_0 ? 16 : fmt == Q4_1 ? 1 : 0;
-        _mm256_store_si256((__m256i*)(u->mn[0] + 8 * h), _mm256_set1_epi32(off));
-        if (fmt == Q4_1) {  // -m by flipping the sign bit, as the scalar negation does
-          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 16 + 8 * h)));
-          _mm256_store_si256((__m256i*)(u->dmin + 8 * h),
-                             _mm256_xor_si256(_mm256_castps_si256(m), _mm256_set1_epi32(INT32_MIN)));
-        } else {
-          _mm256_store_ps(u->dmin + 8 * h, fmt == Q5_0 ? d : _mm256_setzero_ps());
-        }
       }
+      case Q6_K:
+        for (int j = 0; j < 16; ++j) _mm256_store_ps(u->dl[j] + 8 * h, _mm256_mul_ps(d, i8_as_float(s + 16 * j + 8 * h)));
+        break;
+      case Q4_1: {  // ml = -m by flipping the sign bit, as the scalar negation does
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 16 + 8 * h)));
+        _mm256_store_si256((__m256i*)(u->ml[0] + 8 * h),
+                           _mm256_xor_si256(_mm256_castps_si256(m), _mm256_set1_epi32(INT32_MIN)));
+        _mm256_store_ps(u->dl[0] + 8 * h, d);
+        break;
+      }
+      default:
+        _mm256_store_ps(u->dl[0] + 8 * h, d);
     }
   }
 }
 
-// R rows at once: each weight group is loaded once for the R rows (R <= 4 keeps the 2R
-// accumulators, the weights and the scales in the 16 ymm registers).
-template <int KB, int SUB, bool SIGNED, bool OFFSET, int R>
+// R rows at once (R <= 2 keeps the accumulators, sums, weights and scales in the 16 ymm).
+template <int KB, int SUB, bool SIGNED, int OFF, bool FPOFF, int R>
 static void rows_block(const Unpacked& u, const QActs& a, int64_t s, float* acc, int64_t m0) {
-  constexpr int NSUB = KB / SUB, GPS = SUB / 4, NPAIR = (NSUB + 1) / 2;
-  const int64_t nsb = a.k / KB;
+  constexpr int NSUB = KB / SUB, GPS = SUB / 4;
+  const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xq[R];
-  __m256i isum0[R], isum1[R];
-#pragma GCC unroll 4
+  const int16_t* bs[R];
+  const float* dx[R];
+  __m256 y0[R], y1[R];
   for (int r = 0; r < R; ++r) {
-    xq[r] = a.q + (m0 + r) * a.k + s * KB;
-    isum0[r] = isum1[r] = _mm256_setzero_si256();
+    const int64_t m = m0 + r;
+    xq[r] = a.q + m * a.k + s * KB;
+    bs[r] = a.bs + m * (a.k / 16) + s * (KB / 16);
+    dx[r] = a.dx + m * (a.k / kActBlock) + s * (KB / kActBlock);
+    y0[r] = _mm256_loadu_ps(acc + m * kTile);
+    y1[r] = _mm256_loadu_ps(acc + m * kTile + 8);
   }
-  for (int k = 0; k < NSUB; ++k) {
-    const __m256i sc0 = _mm256_load_si256((const __m256i*)u.sc[k]);
-    const __m256i sc1 = _mm256_load_si256((const __m256i*)(u.sc[k] + 8));
-    for (int g = k * GPS; g < (k + 1) * GPS; ++g) {
+  for (int j = 0; j < NSUB; ++j) {
+    __m256i i0[R], i1[R];
+    for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm256_setzero_si256();
+    for (int g = j * GPS; g < (j + 1) * GPS; ++g) {
       const __m256i w0 = _mm256_load_si256((const __m256i*)(u.w + 64 * g));
       const __m256i w1 = _mm256_load_si256((const __m256i*)(u.w + 64 * g + 32));
-#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         int32_t x4;
         std::memcpy(&x4, xq[r] + 4 * g, 4);
@@ -112,58 +104,51 @@ static void rows_block(const Unpacked& u, const QActs& a, int64_t s, float* acc,
           x0 = _mm256_sign_epi8(x, _mm256_load_si256((const __m256i*)(u.ws + 64 * g)));
           x1 = _mm256_sign_epi8(x, _mm256_load_si256((const __m256i*)(u.ws + 64 * g + 32)));
         }
-        isum0[r] = _mm256_add_epi32(isum0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), sc0));
-        isum1[r] = _mm256_add_epi32(isum1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), sc1));
+        i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones));
+        i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones));
+      }
+    }
+    const __m256 dl0 = _mm256_load_ps(u.dl[j]), dl1 = _mm256_load_ps(u.dl[j] + 8);
+    for (int r = 0; r < R; ++r) {
+      const int32_t bsum = (OFF || FPOFF) ? sub_bsum(bs[r], j, SUB) : 0;
+      if (OFF) {
+        const __m256i o = _mm256_set1_epi32(OFF * bsum);
+        i0[r] = _mm256_sub_epi32(i0[r], o);
+        i1[r] = _mm256_sub_epi32(i1[r], o);
+      }
+      const __m256 dxj = _mm256_set1_ps(dx[r][j * SUB / kActBlock]);
+      y0[r] = _mm256_fmadd_ps(dl0, _mm256_mul_ps(_mm256_cvtepi32_ps(i0[r]), dxj), y0[r]);
+      y1[r] = _mm256_fmadd_ps(dl1, _mm256_mul_ps(_mm256_cvtepi32_ps(i1[r]), dxj), y1[r]);
+      if (FPOFF) {
+        const __m256 v = _mm256_set1_ps(dx[r][j * SUB / kActBlock] * (float)bsum);
+        y0[r] = _mm256_fnmadd_ps(_mm256_load_ps(u.ml[j]), v, y0[r]);
+        y1[r] = _mm256_fnmadd_ps(_mm256_load_ps(u.ml[j] + 8), v, y1[r]);
       }
     }
   }
   for (int r = 0; r < R; ++r) {
-    const int64_t m = m0 + r;
-    const __m256 dxv = _mm256_set1_ps(a.dx[m * nsb + s]);
-    float* y = acc + m * kTile;
-    __m256 y0 = _mm256_loadu_ps(y), y1 = _mm256_loadu_ps(y + 8);
-    y0 = _mm256_fmadd_ps(_mm256_mul_ps(dxv, _mm256_load_ps(u.d)), _mm256_cvtepi32_ps(isum0[r]), y0);
-    y1 = _mm256_fmadd_ps(_mm256_mul_ps(dxv, _mm256_load_ps(u.d + 8)), _mm256_cvtepi32_ps(isum1[r]), y1);
-    if (OFFSET) {
-      const int16_t* bs = a.bs + m * (a.k / 16) + s * (KB / 16);
-      __m256i msum0 = _mm256_setzero_si256(), msum1 = _mm256_setzero_si256();
-      for (int p = 0; p < NPAIR; ++p) {
-        int32_t b0 = 0, b1 = 0;
-        for (int i = (2 * p) * SUB / 16; i < (2 * p + 1) * SUB / 16; ++i) b0 += bs[i];
-        if (2 * p + 1 < NSUB)
-          for (int i = (2 * p + 1) * SUB / 16; i < (2 * p + 2) * SUB / 16; ++i) b1 += bs[i];
-        const __m256i pair = _mm256_set1_epi32((int32_t)((uint32_t)(uint16_t)b0 | (uint32_t)(uint16_t)b1 << 16));
-        msum0 = _mm256_add_epi32(msum0, _mm256_madd_epi16(_mm256_load_si256((const __m256i*)u.mn[p]), pair));
-        msum1 = _mm256_add_epi32(msum1, _mm256_madd_epi16(_mm256_load_si256((const __m256i*)(u.mn[p] + 8)), pair));
-      }
-      y0 = _mm256_fnmadd_ps(_mm256_mul_ps(dxv, _mm256_load_ps(u.dmin)), _mm256_cvtepi32_ps(msum0), y0);
-      y1 = _mm256_fnmadd_ps(_mm256_mul_ps(dxv, _mm256_load_ps(u.dmin + 8)), _mm256_cvtepi32_ps(msum1), y1);
-    }
-    _mm256_storeu_ps(y, y0);
-    _mm256_storeu_ps(y + 8, y1);
+    _mm256_storeu_ps(acc + (m0 + r) * kTile, y0[r]);
+    _mm256_storeu_ps(acc + (m0 + r) * kTile + 8, y1[r]);
   }
 }
 
-template <int KB, int SUB, bool SIGNED, bool OFFSET>
+template <int KB, int SUB, bool SIGNED, int OFF, bool FPOFF>
 static void rows(const Unpacked& u, const QActs& a, int64_t s, float* acc) {
   int64_t m = 0;
-  for (; m + 4 <= a.m; m += 4) rows_block<KB, SUB, SIGNED, OFFSET, 4>(u, a, s, acc, m);
-  switch (a.m - m) {
-    case 1: rows_block<KB, SUB, SIGNED, OFFSET, 1>(u, a, s, acc, m); break;
-    case 2: rows_block<KB, SUB, SIGNED, OFFSET, 2>(u, a, s, acc, m); break;
-    case 3: rows_block<KB, SUB, SIGNED, OFFSET, 3>(u, a, s, acc, m); break;
-  }
+  for (; m + 2 <= a.m; m += 2) rows_block<KB, SUB, SIGNED, OFF, FPOFF, 2>(u, a, s, acc, m);
+  if (m < a.m) rows_block<KB, SUB, SIGNED, OFF, FPOFF, 1>(u, a, s, acc, m);
 }
 
 void superblock_avx2(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc) {
   Unpacked u;
   unpack_weights(f, tile, &u);
-  unpack_scales_simd(fmt, f, tile, &u);
+  unpack_scales(fmt, f, tile, &u);
   switch (fmt) {
-    case Q4_K: rows<256, 32, false, true>(u, a, s, acc); break;
-    case Q6_K: rows<256, 16, false, true>(u, a, s, acc); break;
-    case Q5_0: case Q4_1: rows<32, 32, false, true>(u, a, s, acc); break;
-    case Q8_0: rows<32, 32, true, false>(u, a, s, acc); break;
+    case Q4_K: rows<256, 32, false, 0, true>(u, a, s, acc); break;
+    case Q6_K: rows<256, 16, false, 32, false>(u, a, s, acc); break;
+    case Q5_0: rows<32, 32, false, 16, false>(u, a, s, acc); break;
+    case Q4_1: rows<32, 32, false, 0, true>(u, a, s, acc); break;
+    case Q8_0: rows<32, 32, true, 0, false>(u, a, s, acc); break;
   }
 }
 

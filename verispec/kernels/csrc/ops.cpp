@@ -96,10 +96,10 @@ torch::Tensor dequantize(int64_t fmt, torch::Tensor packed, int64_t n, int64_t k
   return out;
 }
 
-// x: float32 [M, K] -> (q int8 [M, K], dx float32 [M, K / kb], bs int16 [M, K / 16]).
-std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t kb) {
+// x: float32 [M, K] -> (q int8 [M, K], dx float32 [M, K / 32], bs int16 [M, K / 16]).
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32, "activations must be float32 [M, K]");
-  TORCH_CHECK(kb == 32 || kb == 256, "activation block must be 32 or 256, got ", kb);
+  const int64_t kb = kActBlock;
   x = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % kb == 0, "input features ", k, " are not a multiple of the block ", kb);
@@ -107,20 +107,19 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x, int64_t kb) {
   auto dx = torch::empty({m, k / kb}, torch::kFloat32);
   auto bs = torch::empty({m, k / 16}, torch::kInt16);
   for (int64_t i = 0; i < m; ++i)
-    quantize_row(x.data_ptr<float>() + i * k, k, (int)kb, q.data_ptr<int8_t>() + i * k,
+    quantize_row(x.data_ptr<float>() + i * k, k, q.data_ptr<int8_t>() + i * k,
                  dx.data_ptr<float>() + i * (k / kb), bs.data_ptr<int16_t>() + i * (k / 16));
   return {q, dx, bs};
 }
 
-// out[:, col0 : col0 + N] = x @ W.T, with x given quantized (quantize_rows with the format's kb).
+// out[:, col0 : col0 + N] = x @ W.T, with x given quantized (quantize_rows).
 void gemm(int64_t fmt, torch::Tensor packed, int64_t n, int64_t k, torch::Tensor q, torch::Tensor dx,
           torch::Tensor bs, torch::Tensor out, int64_t col0, int64_t isa) {
   const FormatInfo f = info_or_throw(fmt);
   check_packed(f, packed, n, k);
   const int64_t m = q.size(0);
   TORCH_CHECK(q.dim() == 2 && q.size(1) == k && q.dtype() == torch::kInt8 && q.is_contiguous(), "bad q");
-  TORCH_CHECK(dx.dtype() == torch::kFloat32 && dx.is_contiguous() && dx.numel() == m * (k / f.kb),
-              "activations were quantized with another block size than this format's ", f.kb);
+  TORCH_CHECK(dx.dtype() == torch::kFloat32 && dx.is_contiguous() && dx.numel() == m * (k / kActBlock), "bad dx");
   TORCH_CHECK(bs.dtype() == torch::kInt16 && bs.is_contiguous() && bs.numel() == m * (k / 16), "bad bs");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.dtype() == torch::kFloat32 && out.stride(1) == 1 &&
                   col0 >= 0 && col0 + n <= out.size(1),
@@ -148,7 +147,6 @@ std::vector<int64_t> supported_isas() {
   return out;
 }
 
-int64_t format_kb(int64_t fmt) { return info_or_throw(fmt).kb; }
 int64_t format_packed_bytes(int64_t fmt, int64_t n, int64_t k) {
   const FormatInfo f = info_or_throw(fmt);
   check_shape(f, n, k);
@@ -164,6 +162,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm", &verispec::gemm, "out[:, col0:col0+N] = x @ W.T");
   m.def("supported_isas", &verispec::supported_isas);
   m.def("best_isa", &verispec::best_isa);
-  m.def("format_kb", &verispec::format_kb);
   m.def("format_packed_bytes", &verispec::format_packed_bytes);
 }

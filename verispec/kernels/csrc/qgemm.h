@@ -3,26 +3,27 @@
 //
 // Contract. For activations x [M, K] and a weight W [N, K] stored in a GGUF block format,
 // y[m, n] = sum_k W[n, k] * x[m, k] is computed as follows, identically on every path:
-//   1. Each row of x is quantized on its own (quantize_rows), in blocks of the format's
-//      superblock size KB: amax = max |x|, iscale = 127 / amax, q = nearest(x * iscale)
-//      (ties to even), dx = 1 / iscale; plus bs16, the int sums of every 16 q's.
-//   2. Per (row m, column n, superblock s), two exact int32 sums:
-//        isum = sum_sub sc[sub] * sum_{k in sub} w[k] * q[k]
-//        msum = sum_sub mn[sub] * bsum[sub]
-//   3. One fp32 accumulator per (m, n), updated in superblock order s = 0, 1, ...:
-//        acc = fma(dx[s] * d, (float)isum, acc);  acc = fma(-(dx[s] * dmin), (float)msum, acc)
-//      (the second step only for formats with an offset).
+//   1. Each row of x is quantized on its own (quantize_row), in blocks of 32:
+//      amax = max |x|, iscale = 127 / amax, q = nearest(x * iscale) (ties to even),
+//      dx = 1 / iscale; plus bs16, the int sums of every 16 q's.
+//   2. The weight is a run of subs (16 or 32 consecutive k inside one activation block) with
+//      fp32 per-sub values dl and ml that are gguf's own (dl = d*sc, ml = dmin*mn for Q4_K).
+//      Per (row m, column n, sub j), an exact int32 sum, with an integer offset o:
+//        isum = sum_{k in j} w[k] * q[k] - o * bsum_j          (bsum_j = sum_{k in j} q[k])
+//   3. One fp32 accumulator per (m, n), updated sub by sub in k order:
+//        acc = fma(dl, (float)isum * dx, acc)
+//        acc = fma(-ml, dx * (float)bsum_j, acc)               (formats with an fp offset only)
 // Integer sums are exact whatever the instruction sequence, and the fp32 sequence per output is
 // fixed, so a row's result does not depend on M, on the thread count or on the ISA path. Threads
 // split the output columns only (in tiles of 16); the reduction over K is never split.
 //
-// What each format means in these terms (w is the stored unsigned or signed integer, the weight
-// is what gguf's dequantization returns):
-//   Q4_K  KB 256, 8 subs of 32:  weight = (d*sc)*w - dmin*mn   w 0..15, sc, mn 6-bit
-//   Q6_K  KB 256, 16 subs of 16: weight = (d*sc)*(w-32)        w 0..63, sc int8; mn = 32*sc, dmin = d
-//   Q5_0  KB 32:                 weight = d*(w-16)             w 0..31; sc = 1, mn = 16, dmin = d
-//   Q4_1  KB 32:                 weight = d*w + m              w 0..15; sc = 1, mn = 1, dmin = -m
-//   Q8_0  KB 32:                 weight = d*w                  w int8;  sc = 1, no offset
+// What each format means in these terms (w is the stored integer; the weight is what gguf's
+// dequantization returns; superblock KB is the packing unit):
+//   Q4_K  KB 256, 8 subs of 32:  weight = (d*sc)*w - dmin*mn   dl = d*sc, ml = dmin*mn, o = 0
+//   Q6_K  KB 256, 16 subs of 16: weight = (d*sc)*(w-32)        dl = d*sc, o = 32
+//   Q5_0  KB 32, one sub:        weight = d*(w-16)             dl = d, o = 16
+//   Q4_1  KB 32, one sub:        weight = d*w + m              dl = d, ml = -m
+//   Q8_0  KB 32, one sub:        weight = d*w  (w int8)        dl = d
 //
 // Packed layout. Columns are grouped in tiles of 16; a weight is stored as
 // [N/16 tiles][K/KB superblocks][tile bytes], so one thread reads one contiguous stream per tile.
@@ -55,7 +56,6 @@ struct FormatInfo {
   bool nibbles;      // 4-bit storage
   bool signed_w;     // weights are int8 (Q8_0)
   bool int_scales;   // per-sub integer scales stored (Q4_K, Q6_K)
-  bool has_offset;   // msum term present
   bool stores_dmin;  // a second fp16 per column (Q4_K dmin, Q4_1 m)
 
   int groups() const { return kb / 4; }
@@ -69,25 +69,34 @@ struct FormatInfo {
 bool format_info(int fmt, FormatInfo* out);
 
 constexpr int kTile = 16;     // output columns per tile
-constexpr int kMaxSub = 16;   // most integer scales per superblock (Q6_K)
+constexpr int kMaxSub = 16;   // most subs per superblock (Q6_K)
+constexpr int kActBlock = 32; // activation block
 
 // One tile superblock in the form the row loops consume (see unpack_* per ISA).
 struct alignas(64) Unpacked {
   uint8_t w[64 * 64];          // [G][16][4], up to G = 64; |w| for signed formats
   int8_t ws[8 * 64];           // signed formats (Q8_0, G = 8): the weights with their signs
-  int32_t sc[kMaxSub][kTile];  // per sub: the scale (AVX2: in both int16 halves of each lane)
-  int32_t mn[kMaxSub / 2][kTile];  // per pair of subs: mn[2p] | mn[2p + 1] << 16
-  float d[kTile];
-  float dmin[kTile];
+  float dl[kMaxSub][kTile];    // per sub and column (see the contract)
+  float ml[kMaxSub][kTile];
 };
 
 // Activations quantized per row (see the contract).
 struct QActs {
   const int8_t* q;    // [M][K]
-  const float* dx;    // [M][K / kb]
+  const float* dx;    // [M][K / 32]
   const int16_t* bs;  // [M][K / 16]
   int64_t m, k;
 };
+
+// The per-format constants of the contract.
+inline int int_offset(int fmt) { return fmt == 14 ? 32 : fmt == 6 ? 16 : 0; }  // Q6_K, Q5_0
+inline bool has_fp_offset(int fmt) { return fmt == 12 || fmt == 3; }          // Q4_K, Q4_1
+
+// The sub's activation sum: bs16 entries [j*sub/16, (j+1)*sub/16) of the row's superblock.
+inline int32_t sub_bsum(const int16_t* bs, int j, int sub) {
+  return sub == 16 ? bs[j] : (int32_t)bs[2 * j] + bs[2 * j + 1];
+}
+
 
 // fp16 bits -> float (exact).
 float fp16_to_float(uint16_t h);
@@ -109,6 +118,6 @@ struct Decoded {
 void decode_block(int fmt, const uint8_t* block, Decoded* out);
 void write_tile(const FormatInfo& f, const Decoded* cols, uint8_t* tile);  // cols[16]
 void dequantize_tile(const FormatInfo& f, int fmt, const uint8_t* tile, float* out, int64_t ldo);
-void quantize_row(const float* x, int64_t k, int kb, int8_t* q, float* dx, int16_t* bs);
+void quantize_row(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs);
 
 }  // namespace verispec

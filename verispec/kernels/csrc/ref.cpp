@@ -10,11 +10,11 @@ namespace verispec {
 
 bool format_info(int fmt, FormatInfo* out) {
   switch (fmt) {
-    case Q4_K: *out = {256, 32, 144, true, false, true, true, true}; return true;
-    case Q6_K: *out = {256, 16, 210, false, false, true, true, false}; return true;
-    case Q5_0: *out = {32, 32, 22, false, false, false, true, false}; return true;
-    case Q4_1: *out = {32, 32, 20, true, false, false, true, true}; return true;
-    case Q8_0: *out = {32, 32, 34, false, true, false, false, false}; return true;
+    case Q4_K: *out = {256, 32, 144, true, false, true, true}; return true;
+    case Q6_K: *out = {256, 16, 210, false, false, true, false}; return true;
+    case Q5_0: *out = {32, 32, 22, false, false, false, false}; return true;
+    case Q4_1: *out = {32, 32, 20, true, false, false, true}; return true;
+    case Q8_0: *out = {32, 32, 34, false, true, false, false}; return true;
     default: return false;
   }
 }
@@ -136,28 +136,22 @@ void write_tile(const FormatInfo& f, const Decoded* cols, uint8_t* tile) {
   }
 }
 
-// The integer scale, offset and fp scales of sub k, column c, in the contract's terms.
-static inline int32_t scale_of(const FormatInfo& f, int fmt, const uint8_t* tile, int k, int c) {
-  if (!f.int_scales) return 1;
+// gguf's per-sub fp32 scale (dl) and offset (ml) of sub k, column c (see the contract).
+static inline float dl_of(const FormatInfo& f, int fmt, const uint8_t* tile, int k, int c) {
+  const float d = fp16_to_float(d_of(f, tile)[c]);
   const uint8_t* s = scales_of(f, tile);
-  return fmt == Q6_K ? (int32_t)(int8_t)s[k * kTile + c] : (int32_t)s[k * kTile + c];
-}
-static inline int32_t offset_of(const FormatInfo& f, int fmt, const uint8_t* tile, int k, int c) {
   switch (fmt) {
-    case Q4_K: return scales_of(f, tile)[(f.nsub() + k) * kTile + c];
-    case Q6_K: return 32 * scale_of(f, fmt, tile, k, c);
-    case Q5_0: return 16;
-    case Q4_1: return 1;
-    default: return 0;
+    case Q4_K: return d * (float)s[k * kTile + c];
+    case Q6_K: return d * (float)(int8_t)s[k * kTile + c];
+    default: return d;
   }
 }
-static inline float dmin_of(const FormatInfo& f, int fmt, const uint8_t* tile, int c) {
+static inline float ml_of(const FormatInfo& f, int fmt, const uint8_t* tile, int k, int c) {
   const uint16_t* d = d_of(f, tile);
   switch (fmt) {
-    case Q4_K: return fp16_to_float(d[kTile + c]);
+    case Q4_K: return fp16_to_float(d[kTile + c]) * (float)scales_of(f, tile)[(f.nsub() + k) * kTile + c];
     case Q4_1: return -fp16_to_float(d[kTile + c]);
-    case Q8_0: return 0.0f;
-    default: return fp16_to_float(d[c]);
+    default: return 0.0f;
   }
 }
 
@@ -173,24 +167,23 @@ static inline int32_t weight_at(const FormatInfo& f, const uint8_t* tile, int k,
 
 void superblock_scalar(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s,
                        float* acc) {
-  const int nsub = f.nsub(), kb = f.kb, nsb = (int)(a.k / kb);
-  const uint16_t* d = d_of(f, tile);
+  const int off = int_offset(fmt);
+  const bool fp_off = has_fp_offset(fmt);
   for (int64_t m = 0; m < a.m; ++m) {
-    const int8_t* xq = a.q + m * a.k + s * kb;
-    const int16_t* bs = a.bs + m * (a.k / 16) + s * (kb / 16);
-    const float dx = a.dx[m * nsb + s];
+    const int8_t* xq = a.q + m * a.k + s * f.kb;
+    const int16_t* bs = a.bs + m * (a.k / 16) + s * (f.kb / 16);
+    const float* dx = a.dx + m * (a.k / kActBlock) + s * (f.kb / kActBlock);
     for (int c = 0; c < kTile; ++c) {
-      int32_t isum = 0, msum = 0;
-      for (int k = 0; k < nsub; ++k) {
-        int32_t sum = 0, bsum = 0;
-        for (int i = k * f.sub; i < (k + 1) * f.sub; ++i) sum += weight_at(f, tile, i, c) * (int32_t)xq[i];
-        for (int i = k * f.sub / 16; i < (k + 1) * f.sub / 16; ++i) bsum += bs[i];
-        isum += scale_of(f, fmt, tile, k, c) * sum;
-        msum += offset_of(f, fmt, tile, k, c) * bsum;
-      }
       float& y = acc[m * kTile + c];
-      y = std::fmaf(dx * fp16_to_float(d[c]), (float)isum, y);
-      if (f.has_offset) y = std::fmaf(-(dx * dmin_of(f, fmt, tile, c)), (float)msum, y);
+      for (int j = 0; j < f.nsub(); ++j) {
+        const int32_t bsum = sub_bsum(bs, j, f.sub);
+        int32_t isum = 0;
+        for (int i = j * f.sub; i < (j + 1) * f.sub; ++i) isum += weight_at(f, tile, i, c) * (int32_t)xq[i];
+        isum -= off * bsum;
+        const float dxj = dx[j * f.sub / kActBlock];
+        y = std::fmaf(dl_of(f, fmt, tile, j, c), (float)isum * dxj, y);
+        if (fp_off) y = std::fmaf(-ml_of(f, fmt, tile, j, c), dxj * (float)bsum, y);
+      }
     }
   }
 }
@@ -205,13 +198,8 @@ void dequantize_tile(const FormatInfo& f, int fmt, const uint8_t* tile, float* o
       const int sub = k / f.sub;
       float v;
       switch (fmt) {
-        case Q4_K: {
-          const float dl = dc * (float)scale_of(f, fmt, tile, sub, c);
-          const float ml = fp16_to_float(d[kTile + c]) * (float)offset_of(f, fmt, tile, sub, c);
-          v = dl * (float)w - ml;
-          break;
-        }
-        case Q6_K: v = (dc * (float)scale_of(f, fmt, tile, sub, c)) * (float)(w - 32); break;
+        case Q4_K: v = dl_of(f, fmt, tile, sub, c) * (float)w - ml_of(f, fmt, tile, sub, c); break;
+        case Q6_K: v = dl_of(f, fmt, tile, sub, c) * (float)(w - 32); break;
         case Q5_0: v = dc * (float)(w - 16); break;
         case Q4_1: v = dc * (float)w + fp16_to_float(d[kTile + c]); break;
         default: v = (float)w * dc; break;
@@ -221,7 +209,8 @@ void dequantize_tile(const FormatInfo& f, int fmt, const uint8_t* tile, float* o
   }
 }
 
-void quantize_row(const float* x, int64_t k, int kb, int8_t* q, float* dx, int16_t* bs) {
+void quantize_row(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs) {
+  const int kb = kActBlock;
   for (int64_t b = 0; b < k / kb; ++b) {
     const float* xb = x + b * kb;
     int8_t* qb = q + b * kb;

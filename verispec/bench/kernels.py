@@ -1,0 +1,187 @@
+"""The native kernels' benchmark: what a verify pass costs against a decode step.
+
+Everything runs in one process and interleaved: each repeat times every configuration once, in
+the same order, and the report gives medians with their spread (min-max over repeats), so a
+ratio compares runs made under the same machine load. It prints the CPU model and ISA flags.
+
+Sections:
+
+* ``bandwidth``: the memory read bandwidth with the benchmark's threads (a sum over 1 GiB), the
+  roofline for M = 1.
+* ``shapes``: every linear layer shape of the model, on the file's own weights, at M rows:
+  time(M) / time(1), and at M = 1 the weight bytes read per second and their share of the
+  bandwidth.
+* ``model``: the whole model on a short chat prompt: a pass of T positions against a decode
+  step (T = 1), batch-8 decode throughput against batch 1, and a 700-token prompt's prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from verispec import kernels
+
+ROWS = (1, 2, 4, 8, 9, 16)
+POSITIONS = (1, 2, 4, 9, 16)
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8")
+
+
+def cpu_description() -> str:
+    model, flags = platform.processor() or "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", "unknown CPU", platform.processor()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return f"{model} ({' '.join(f for f in FLAGS if f in flags) or 'flags unknown'})"
+
+
+def interleaved(configs: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Seconds per call of each configuration, timed round-robin ``repeats`` times after a warm-up."""
+    for fn in configs.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(repeats):
+        for name, fn in configs.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def ratio(times: dict[str, list[float]], num: str, den: str) -> tuple[float, float, float]:
+    """Median of per-repeat ratios, and their min and max."""
+    r = [a / b for a, b in zip(times[num], times[den])]
+    return statistics.median(r), min(r), max(r)
+
+
+def read_bandwidth(repeats: int) -> float:
+    """Bytes per second that a sum over 1 GiB reads, with the current torch threads (median)."""
+    big = torch.ones(2**28, dtype=torch.float32)
+    t = interleaved({"sum": lambda: big.sum()}, repeats)["sum"]
+    return big.numel() * 4 / statistics.median(t)
+
+
+def bench_shapes(model, repeats: int, bandwidth: float) -> list[dict]:
+    from verispec.models.native import NativeLinear
+
+    layer = model.layers[len(model.layers) // 2]
+    named = {"qkv": layer.qkv, "o_proj": layer.o_proj, "gate_up": layer.gate_up, "down": layer.down,
+             "lm_head": model.lm_head}
+    for other in model.layers:  # Q4_K_M alternates the down projection's type: take both
+        if isinstance(other.down, NativeLinear) and [p.fmt for p in other.down.parts] != \
+                [p.fmt for p in layer.down.parts]:
+            named["down (other type)"] = other.down
+            break
+    rows = []
+    for name, lin in named.items():
+        if not isinstance(lin, NativeLinear):
+            continue
+        xs = {m: torch.randn(m, lin.in_features) for m in ROWS}
+        times = interleaved({str(m): (lambda m=m: kernels.matmul(xs[m], lin.parts)) for m in ROWS}, repeats)
+        t1 = statistics.median(times["1"])
+        nbytes = sum(p.nbytes for p in lin.parts)
+        rows.append({
+            "layer": name, "shape": f"{lin.out_features}x{lin.in_features}",
+            "types": "+".join(kernels.format_name(p.fmt) for p in lin.parts),
+            "t1_ms": t1 * 1e3, "gbps": nbytes / t1 / 1e9, "bw_share": nbytes / t1 / bandwidth,
+            "ratios": {m: ratio(times, str(m), "1") for m in ROWS[1:]},
+        })
+    return rows
+
+
+def bench_model(loaded, repeats: int) -> dict:
+    model = loaded.model
+    prompt = loaded.tokenizer.apply_chat_template("Write a Python function that checks whether a string is a palindrome.")
+    n0 = len(prompt)
+    ids = torch.tensor([prompt])
+
+    def pass_of(t: int, batch: int = 1) -> Callable[[], object]:
+        cache = model.new_cache(n0 + 64, num_slots=batch)
+        model(ids.expand(batch, -1), torch.arange(n0)[None].expand(batch, -1), cache)
+        toks = torch.full((batch, t), 42)
+        pos = torch.arange(n0, n0 + t)[None].expand(batch, -1)
+
+        def run():
+            model(toks, pos, cache)
+            for slot in range(batch):  # roll back: every timed pass sees the same cache
+                cache.truncate(slot, n0)
+        return run
+
+    configs = {f"T={t}": pass_of(t) for t in POSITIONS}
+    configs["batch=8"] = pass_of(1, 8)
+    long_ids = torch.tensor([(prompt * (700 // n0 + 1))[:700]])
+
+    def prefill():
+        cache = model.new_cache(768)
+        model(long_ids, torch.arange(700)[None], cache, num_logits=1, prefill=True)
+
+    configs["prefill 700"] = prefill
+    times = interleaved(configs, repeats)
+    step = statistics.median(times["T=1"])
+    return {
+        "decode_ms": step * 1e3, "decode_tok_s": 1 / step,
+        "verify": {t: ratio(times, f"T={t}", "T=1") for t in POSITIONS[1:]},
+        "batch8_throughput": [8 / r for r in ratio(times, "batch=8", "T=1")][::-1],
+        "prefill_700_s": statistics.median(times["prefill 700"]),
+    }
+
+
+def _fmt(r: tuple[float, float, float]) -> str:
+    return f"{r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="verispec bench kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a bundled model or GGUF file")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--sections", default="bandwidth,shapes,model", help="comma-separated subset")
+    args = p.parse_args(argv)
+    from verispec.models.loader import load_model
+    from verispec.models.native import is_native
+
+    torch.set_num_threads(args.threads)
+    sections = set(args.sections.split(","))
+    print(f"CPU: {cpu_description()}; threads {args.threads}; kernel path {kernels.best_isa()}")
+    loaded = load_model(args.model, quantization="gguf", progress=False)
+    assert is_native(loaded.model)
+    result: dict = {"cpu": cpu_description(), "threads": args.threads, "isa": kernels.best_isa(), "model": args.model}
+    bandwidth = read_bandwidth(args.repeats)
+    result["read_gbps"] = bandwidth / 1e9
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    if "shapes" in sections:
+        rows = bench_shapes(loaded.model, args.repeats, bandwidth)
+        result["shapes"] = rows
+        print("\n| layer | shape | types | M=1 ms | GB/s | of bandwidth | " + " | ".join(f"M={m}/M=1" for m in ROWS[1:]) + " |")
+        print("|---" * (6 + len(ROWS) - 1) + "|")
+        for r in rows:
+            print(f"| {r['layer']} | {r['shape']} | {r['types']} | {r['t1_ms']:.3f} | {r['gbps']:.1f} | "
+                  f"{r['bw_share']:.0%} | " + " | ".join(_fmt(r["ratios"][m]) for m in ROWS[1:]) + " |")
+    if "model" in sections:
+        m = bench_model(loaded, args.repeats)
+        result["model_passes"] = m
+        print(f"\ndecode step {m['decode_ms']:.1f} ms ({m['decode_tok_s']:.1f} tok/s); pass of T positions / decode step: "
+              + ", ".join(f"T={t}: {_fmt(r)}" for t, r in m["verify"].items()))
+        print(f"batch-8 decode throughput / batch 1: {_fmt(tuple(m['batch8_throughput']))}; "
+              f"prefill of 700 tokens: {m['prefill_700_s']:.2f} s")
+    print(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
