@@ -35,6 +35,10 @@ from torch import Tensor
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("ref.cpp", "avx2.cpp", "avx512.cpp", "ops.cpp")
+# -fopenmp: at::parallel_for is a header template that is serial unless compiled with OpenMP; it
+# then runs on torch's own OpenMP threads. -ffp-contract=off: the scalar reference's multiplies
+# and adds stay as written, so the SIMD paths can match it bit for bit.
+CFLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp")
 HEADERS = ("qgemm.h",)
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 # ggml type ids of the formats the kernels run (GGMLQuantizationType values)
@@ -56,7 +60,7 @@ def _build_key() -> str:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = "unknown"
-    h.update(f"{version}|{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}".encode())
+    h.update(f"{version}|{CFLAGS}|{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}".encode())
     return h.hexdigest()[:16]
 
 
@@ -84,7 +88,8 @@ def native():
         return cpp_extension.load(
             name="verispec_kernels",
             sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=["-O3", "-ffp-contract=off", "-std=c++17"],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=["-fopenmp"],
             build_directory=str(build),
             verbose=False,
         )
