@@ -13,7 +13,7 @@ request, so machine drift hits them alike. Decoding is greedy (T = 0), batch 1.
 Figures per method and group (round 1, round 2, repetitive = both rounds, coding questions):
 decode tokens/s (output tokens after the first / (wall time - prefill)), speedup (plain's decode
 time / the method's, over the same requests), mean acceptance length (counts the bonus token,
-see :mod:`verispec.spec.metrics`), acceptance rate, and whether outputs equal plain decoding's.
+see :mod:`verispec.speculative.metrics`), acceptance rate, and whether outputs equal plain decoding's.
 A Markdown table is printed, then one JSON line.
 """
 
@@ -272,7 +272,7 @@ def build_engines(args: argparse.Namespace, target: Any, max_model_len: int) -> 
 
 
 def aggregate(runs: list[dict], methods: list[str]) -> dict:
-    from verispec.spec.metrics import SpecMetrics
+    from verispec.speculative.metrics import SpecMetrics
 
     results: dict[str, dict] = {}
     for method in methods:

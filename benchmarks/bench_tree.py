@@ -68,8 +68,8 @@ def build_engines(args: argparse.Namespace, target: Any, max_len: int) -> dict[t
     from verispec.config import SpeculativeConfig
     from verispec.engine.engine import Engine
     from verispec.models.loader import load_model
-    from verispec.spec.draft_model import DraftModelDrafter
-    from verispec.spec.draft_tree import TreeDraftModelDrafter
+    from verispec.speculative.draft_model import DraftModelDrafter
+    from verispec.speculative.draft_tree import TreeDraftModelDrafter
 
     # Fixed shapes (no adaptive controller): every round verifies budget + 1 positions either way.
     chain = dict(num_speculative_tokens=args.budget, adaptive=False)
@@ -95,7 +95,7 @@ def build_engines(args: argparse.Namespace, target: Any, max_len: int) -> dict[t
 
 def run(engines: dict, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     from verispec.config import SamplingParams
-    from verispec.spec.metrics import SpecMetrics
+    from verispec.speculative.metrics import SpecMetrics
 
     keys = list(engines)
     stats = {(k, t): {"metrics": SpecMetrics(), "tokens": 0, "seconds": 0.0, "outputs": []}

@@ -94,7 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from verispec.models.compile import compile_decoder
     from verispec.models.loader import load_model
     from verispec.runtime import set_threads
-    from verispec.spec.base import check_method
+    from verispec.speculative.base import check_method
 
     # Validate everything cheap before loading gigabytes.
     params = SamplingParams(
@@ -192,7 +192,7 @@ def _plan_acceptance(args: argparse.Namespace) -> list[float]:
 def cmd_plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from verispec.spec.plan import format_plan, make_plan, measure, plot_plan
+    from verispec.speculative.plan import format_plan, make_plan, measure, plot_plan
 
     acceptance = _plan_acceptance(args)
     if args.batch_size < 1:
@@ -262,7 +262,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from verispec.server.serve import serve
-    from verispec.spec.base import check_method
+    from verispec.speculative.base import check_method
 
     spec = speculative_config_from_args(args)
     if spec is not None:

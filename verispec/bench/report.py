@@ -9,7 +9,7 @@ Figures per method, per category and ``overall`` (all runs of every turn and rep
   push count as prefill output.
 * ``speedup`` / ``decode_speedup`` -- the method's tok/s over verispec ``plain``'s, same runs.
 * ``mean_acceptance_length``, ``acceptance_rate``, ``per_position_acceptance``, ``c`` and
-  ``alpha`` -- from the pooled :class:`~verispec.spec.metrics.SpecMetrics` (verispec methods
+  ``alpha`` -- from the pooled :class:`~verispec.speculative.metrics.SpecMetrics` (verispec methods
   only), with T_target(1) taken from plain decoding in the same category;
   ``draft_share`` / ``verify_share`` -- drafting / verify-pass time over decode time.
 * ``identical`` -- at T = 0, how many runs are token-identical to plain decoding's answer to
@@ -48,7 +48,7 @@ from verispec.bench.methods import PLAIN, MethodSpec, TurnResult
 from verispec.bench.runner import BenchResult, Run, Settings
 from verispec.bench.workloads import Workload
 from verispec.config import SpeculativeConfig
-from verispec.spec.metrics import SpecMetrics
+from verispec.speculative.metrics import SpecMetrics
 
 OVERALL = "overall"
 GOAL_VS_HF_ASSISTED = 2.0

@@ -1,4 +1,4 @@
-"""Tests for verispec.spec.verify: literal cases plus statistical checks of losslessness.
+"""Tests for verispec.speculative.verify: literal cases plus statistical checks of losslessness.
 
 The statistical tests use a synthetic target whose distribution at position j does not
 depend on the prefix (``p_j`` is fixed), so the tokens emitted by a lossless step must be
@@ -16,8 +16,8 @@ import torch
 from scipy.stats import binomtest, chisquare
 from torch import Tensor
 
-from verispec.spec import verify as verify_mod
-from verispec.spec.verify import PAD_TOKEN, VerifyResult, verify_greedy, verify_stochastic
+from verispec.speculative import verify as verify_mod
+from verispec.speculative.verify import PAD_TOKEN, VerifyResult, verify_greedy, verify_stochastic
 
 VOCAB = 10
 K = 3

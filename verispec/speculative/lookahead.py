@@ -6,7 +6,7 @@ columns, refined by one Jacobi iteration per pass. The columns of the window, pl
 predicted row, are n-grams the target itself produced; they go into an n-gram pool keyed by
 their first token. The draft of the next round is a pool n-gram that starts with the last
 committed token. Both branches share one forward pass through an aux branch
-(:class:`~verispec.spec.base.AuxBranch`): the engine appends the window after the verify segment,
+(:class:`~verispec.speculative.base.AuxBranch`): the engine appends the window after the verify segment,
 with the custom attention mask below, and hands the window's logits back in ``feedback``.
 
 Window layout, offsets from the last committed token ``t`` (offset 0), ``W = 3``, two rows::
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from verispec.config import SpeculativeConfig
-from verispec.spec.base import AuxBranch, DrafterContext, Outcome, Proposal, register_drafter
+from verispec.speculative.base import AuxBranch, DrafterContext, Outcome, Proposal, register_drafter
 
 if TYPE_CHECKING:
     from verispec.engine.sequence import Sequence as Seq

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from verispec.config import SpeculativeConfig
-from verispec.spec.base import DrafterContext, Outcome, Proposal, register_drafter
+from verispec.speculative.base import DrafterContext, Outcome, Proposal, register_drafter
 
 if TYPE_CHECKING:
     from verispec.engine.sequence import Sequence as Seq

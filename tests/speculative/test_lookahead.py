@@ -1,4 +1,4 @@
-"""Tests for verispec.spec.lookahead: the n-gram pool, the window's mask, and the aux branch."""
+"""Tests for verispec.speculative.lookahead: the n-gram pool, the window's mask, and the aux branch."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from tiny import loaded, tiny_model
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
-from verispec.spec.base import Outcome, Proposal
-from verispec.spec.lookahead import LookaheadDrafter, NgramPool, window_branch
+from verispec.speculative.base import Outcome, Proposal
+from verispec.speculative.lookahead import LookaheadDrafter, NgramPool, window_branch
 
 
 def test_pool_keeps_guess_most_recent_per_token() -> None:

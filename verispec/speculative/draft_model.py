@@ -27,8 +27,8 @@ from verispec.config import SpeculativeConfig
 from verispec.engine.sequence import Sequence
 from verispec.models.decoder import PREFILL_MIN_TOKENS
 from verispec.sampling import logits_to_probs, sample
-from verispec.spec.base import DrafterContext, Outcome, Proposal, register_drafter
-from verispec.spec.controller import relative_time
+from verispec.speculative.base import DrafterContext, Outcome, Proposal, register_drafter
+from verispec.speculative.controller import relative_time
 
 if TYPE_CHECKING:
     from verispec.models.loader import LoadedModel
@@ -122,7 +122,7 @@ class DraftModelDrafter:
     def calibrate(self, slot: int, token: int, reference: Callable[[], object]
                   ) -> tuple[float, list[tuple[int, float]], list[tuple[int, float]]]:
         """Warm timings for a cost model, each in runs of ``reference`` (the target's decode
-        step) timed just before it (:func:`~verispec.spec.controller.relative_time`): (a draft
+        step) timed just before it (:func:`~verispec.speculative.controller.relative_time`): (a draft
         step, [(prompt length, time to read it)], [(generated tokens, time to catch up on
         them)]). A prompt is read in one pass, generated tokens in the decode-sized passes of
         :meth:`catch_up`. Leaves ``slot`` empty."""
@@ -190,7 +190,7 @@ def draft_model_drafter(draft: LoadedModel, config: SpeculativeConfig,
     check_vocab_compatible(context.target, draft)
     vocab = context.target.model.config.vocab_size
     if config.is_tree:
-        from verispec.spec.draft_tree import TreeDraftModelDrafter
+        from verispec.speculative.draft_tree import TreeDraftModelDrafter
 
         return TreeDraftModelDrafter(
             draft, vocab, context.max_model_len, topk=config.speculative_eagle_topk, budget=config.tree_budget,

@@ -14,9 +14,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import verispec.spec.tree_verify as tree_verify
-from verispec.spec.tree import Tree
-from verispec.spec.tree_verify import verify_tree_greedy, verify_tree_stochastic
+import verispec.speculative.tree_verify as tree_verify
+from verispec.speculative.tree import Tree
+from verispec.speculative.tree_verify import verify_tree_greedy, verify_tree_stochastic
 
 VOCAB = 5
 TRIALS = 6000

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from verispec.spec.controller import (
+from verispec.speculative.controller import (
     AdaptiveController,
     CostModel,
     FixedK,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verispec.spec.tree import Tree, tree_layout
+from verispec.speculative.tree import Tree, tree_layout
 
 # root -> 1, 2; 1 -> 3, 4 (the module docstring's example)
 EXAMPLE = Tree((-1, 0, 0, 1, 1))

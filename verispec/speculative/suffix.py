@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from verispec.config import SpeculativeConfig
-from verispec.spec.base import DrafterContext, Outcome, Proposal, register_drafter
+from verispec.speculative.base import DrafterContext, Outcome, Proposal, register_drafter
 
 if TYPE_CHECKING:
     from verispec.engine.sequence import Sequence as Seq

@@ -1,4 +1,4 @@
-"""Tests for verispec.spec.suffix: the counted suffix trie, the global store and the drafter."""
+"""Tests for verispec.speculative.suffix: the counted suffix trie, the global store and the drafter."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from verispec.config import SpeculativeConfig
-from verispec.spec.base import Outcome
-from verispec.spec.suffix import SuffixDrafter, SuffixStore, SuffixTrie, make_suffix_drafter
+from verispec.speculative.base import Outcome
+from verispec.speculative.suffix import SuffixDrafter, SuffixStore, SuffixTrie, make_suffix_drafter
 
 
 def occurrences(seqs: list[list[int]], sub: list[int]) -> tuple[int, int]:

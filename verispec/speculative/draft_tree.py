@@ -9,13 +9,13 @@ Two shapes:
   parent's, so the kept set contains every kept node's ancestors). The proposal numbers them
   best first and carries each one's path probability (``Proposal.values``), so the adaptive
   controller can verify fewer: the node budget it picks per round (see
-  :meth:`verispec.spec.controller.AdaptiveController.choose_nodes`).
+  :meth:`verispec.speculative.controller.AdaptiveController.choose_nodes`).
 * **static** (a choices list, :meth:`Tree.from_choices`): node shapes fixed in advance; a
   node of rank r is the parent's r-th top token (``topk``) or its r-th draw (sampled).
 
 Sampled children (``iid`` / ``without_replacement``) must use a static shape, because the
 exact rule needs each node's children to be the first m draws with m fixed before drawing
-(see :mod:`verispec.spec.tree_verify`); without a choices list the shape is the default
+(see :mod:`verispec.speculative.tree_verify`); without a choices list the shape is the default
 static tree of :func:`default_choices`. Deterministic top-k children are exact at any
 temperature with either shape.
 
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 import torch
 
 from verispec.engine.sequence import Sequence
-from verispec.spec.base import Outcome, Proposal
-from verispec.spec.draft_model import DraftModelDrafter
-from verispec.spec.tree import Tree
+from verispec.speculative.base import Outcome, Proposal
+from verispec.speculative.draft_model import DraftModelDrafter
+from verispec.speculative.tree import Tree
 from verispec.sampling import logits_to_probs
 
 

@@ -15,7 +15,7 @@ import torch
 from verispec.config import SamplingParams
 from verispec.engine.engine import Engine
 from verispec.models.decoder import PREFILL_MIN_TOKENS
-from verispec.spec.draft_model import DECODE_CHUNK, DraftModelDrafter
+from verispec.speculative.draft_model import DECODE_CHUNK, DraftModelDrafter
 
 from tiny import loaded, tiny_model
 

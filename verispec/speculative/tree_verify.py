@@ -1,6 +1,6 @@
 """Verification of a draft tree against the target: greedy, and exact multi-draft sampling.
 
-Inputs describe one tree (see :mod:`verispec.spec.tree`; node 0 is the root, the last
+Inputs describe one tree (see :mod:`verispec.speculative.tree`; node 0 is the root, the last
 committed token): ``draft_tokens[i-1]`` is node i's token, ``target[i]`` the target's scores
 for the token after node i, and, for sampled children, ``draft_probs[i-1]`` the draft
 distribution q at node i's parent that node i was drawn from. p = target, q = draft.
@@ -54,8 +54,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from verispec.spec.tree import Tree
-from verispec.spec.verify import _recovery_distribution, _sample_categorical
+from verispec.speculative.tree import Tree
+from verispec.speculative.verify import _recovery_distribution, _sample_categorical
 
 CHILD_MODES = ("topk", "iid", "without_replacement")
 

@@ -14,7 +14,7 @@ Life cycle of one request::
     drafter.finish(seq)                      # free per-sequence state
 
 A proposal is a chain unless it carries ``parents``: then its tokens are the nodes of a draft
-tree (see :mod:`verispec.spec.tree`) verified in one target pass. Chain drafters never set it.
+tree (see :mod:`verispec.speculative.tree`) verified in one target pass. Chain drafters never set it.
 
 A drafter with costs of its own worth timing up front may also have
 ``calibrate(slot, token, reference) -> (a draft step, [(prompt length, time to read it)],
@@ -66,7 +66,7 @@ class Proposal:
     node 0 is the root (the last committed token) and ``tokens[i]`` is node ``i + 1``;
     ``probs[i]`` is the q at that parent which the token was drawn from (before removing
     earlier siblings), and ``children`` how siblings were chosen (see
-    :mod:`verispec.spec.tree_verify`).
+    :mod:`verispec.speculative.tree_verify`).
 
     ``values`` (trees, optional): each node's draft estimate of the chance that verification
     accepts it, the product of the draft probabilities along its path. A drafter sets it only
@@ -167,4 +167,4 @@ def build_drafter(config: SpeculativeConfig, context: DrafterContext) -> Drafter
 
 def _load_builtin_drafters() -> None:
     # Importing the modules runs their @register_drafter decorators.
-    from verispec.spec import draft_model, lookahead, ngram, suffix  # noqa: F401
+    from verispec.speculative import draft_model, lookahead, ngram, suffix  # noqa: F401

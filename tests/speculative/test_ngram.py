@@ -1,4 +1,4 @@
-"""Tests for verispec.spec.ngram: literal cases and a brute-force reference comparison."""
+"""Tests for verispec.speculative.ngram: literal cases and a brute-force reference comparison."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from verispec.spec.ngram import NgramIndex
+from verispec.speculative.ngram import NgramIndex
 
 
 def _reference_propose(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:

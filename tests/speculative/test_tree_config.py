@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from verispec.config import SpeculativeConfig
-from verispec.spec.base import DrafterContext, build_drafter
-from verispec.spec.draft_tree import default_choices
-from verispec.spec.ngram import NgramDrafter
-from verispec.spec.metrics import SpecMetrics
+from verispec.speculative.base import DrafterContext, build_drafter
+from verispec.speculative.draft_tree import default_choices
+from verispec.speculative.ngram import NgramDrafter
+from verispec.speculative.metrics import SpecMetrics
 
 
 def test_tree_keys_and_draft_topk_alias():
