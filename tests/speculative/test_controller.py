@@ -11,16 +11,8 @@ import random
 
 import pytest
 
-from verispec.speculative.controller import (
-    AdaptiveController,
-    CostModel,
-    FixedK,
-    RoundReport,
-    alpha_at_batch,
-    expected_tokens,
-    linear_verify_cost,
-    speedups,
-)
+from verispec.speculative.controller import AdaptiveController, FixedK, RoundReport
+from verispec.speculative.cost_model import CostModel, alpha_at_batch, expected_tokens, linear_verify_cost, speedups
 
 T1 = 0.3  # seconds per plain step
 

@@ -76,14 +76,8 @@ from verispec.sampling import logits_to_probs, make_generator
 from verispec.speculative.base import (
     EMPTY_PROPOSAL, AuxBranch, Drafter, DrafterContext, Outcome, Proposal, build_drafter,
 )
-from verispec.speculative.controller import (
-    AdaptiveController,
-    Controller,
-    RoundReport,
-    build_controller,
-    relative_time,
-    warm_seconds,
-)
+from verispec.speculative.controller import AdaptiveController, Controller, RoundReport, build_controller
+from verispec.speculative.cost_model import relative_time, warm_seconds
 from verispec.speculative.metrics import SpecMetrics
 from verispec.speculative.tree import Tree, tree_layout
 from verispec.speculative.tree_verify import verify_tree_greedy, verify_tree_stochastic
@@ -225,7 +219,7 @@ class Engine:
     def _calibrate(self, controller: AdaptiveController) -> None:
         """Seed ``controller.costs`` with warm timings of every verify width 1..k+1 and the
         drafter's costs (see the module doc). Each is timed against a one-position pass run
-        just before it (:func:`~verispec.speculative.controller.relative_time`), so that the cost
+        just before it (:func:`~verispec.speculative.cost_model.relative_time`), so that the cost
         ratios do not depend on how the host's speed drifted between them. Runs on a free slot,
         which is left empty."""
         slot, device = self.free_slots[-1], self.model.device

@@ -28,7 +28,7 @@ from verispec.engine.sequence import Sequence
 from verispec.models.decoder import PREFILL_MIN_TOKENS
 from verispec.sampling import logits_to_probs, sample
 from verispec.speculative.base import DrafterContext, Outcome, Proposal, register_drafter
-from verispec.speculative.controller import relative_time
+from verispec.speculative.cost_model import relative_time
 
 if TYPE_CHECKING:
     from verispec.models.loader import LoadedModel
@@ -122,7 +122,7 @@ class DraftModelDrafter:
     def calibrate(self, slot: int, token: int, reference: Callable[[], object]
                   ) -> tuple[float, list[tuple[int, float]], list[tuple[int, float]]]:
         """Warm timings for a cost model, each in runs of ``reference`` (the target's decode
-        step) timed just before it (:func:`~verispec.speculative.controller.relative_time`): (a draft
+        step) timed just before it (:func:`~verispec.speculative.cost_model.relative_time`): (a draft
         step, [(prompt length, time to read it)], [(generated tokens, time to catch up on
         them)]). A prompt is read in one pass, generated tokens in the decode-sized passes of
         :meth:`catch_up`. Leaves ``slot`` empty."""

@@ -1,4 +1,4 @@
-"""``verispec plan``: the speedup arithmetic of :mod:`verispec.speculative.controller` as a tool.
+"""``verispec plan``: the speedup arithmetic of :mod:`verispec.speculative.cost_model` as a tool.
 
 Given an acceptance rate (or per-position rates), the draft cost ratio c and the verify overhead
 alpha, it tabulates for every number of drafts N the expected tokens per round, the round cost
@@ -9,7 +9,7 @@ drafter the speedup tends to 1/alpha; with a drafter of cost c, to 1/(alpha + c)
 n = 1..9 new positions after a fixed context (alpha from a least-squares line through the
 times), and the draft model's single-position step (c = T_draft(1) / T_target(1)). At batch size
 B every forward runs B rows, so the figures are those of a B-request batch; without
-``--measure``, B rescales alpha by :func:`~verispec.speculative.controller.alpha_at_batch`.
+``--measure``, B rescales alpha by :func:`~verispec.speculative.cost_model.alpha_at_batch`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from verispec.speculative.controller import alpha_at_batch, expected_tokens, fit_line, linear_verify_cost, speedups
+from verispec.speculative.cost_model import alpha_at_batch, expected_tokens, fit_line, linear_verify_cost, speedups
 
 if TYPE_CHECKING:
     from verispec.models.decoder import Decoder
