@@ -21,7 +21,7 @@ Figures per method, per category and ``overall`` (all runs of every turn and rep
 * ``tok_per_step`` / ``speed_adjusted_speedup`` -- generated tokens per plain decode step, each
   run's wall time counted in the decode steps T(1) it measured itself (the verify phase of its
   rounds that verified one position), and that over plain's: the machine's speed drifts between
-  the runs of a block (on a shared 2-vCPU host a decode step takes 100 ms in one run and 140 in
+  the runs of a block (on a shared host a decode step may take 40% longer in one run than in
   the next), and counted in its own steps a run's speed cancels. Only where every run of the
   method had at least ``MIN_T1_ROUNDS`` such rounds (plain, prompt lookup, adaptive methods
   that ran plain rounds; not a draft model drafting every round); else None.

@@ -46,17 +46,16 @@ seed reproduces its output (its random draws depend on how many drafts each roun
 greedy output does not depend on k at all).
 
 Calibration. An adaptive controller decides from measured costs, and the first run of each
-shape pays one-time set-up (kernel primitives, allocation): on the 2-vCPU Xeon a cold
-3-position verify of the 1.5B int4 target took 162 ms against ~106 warm, and a cold 34-token
-prompt read by the 0.5B draft 492 ms against ~200. A controller that learned those first
-samples priced drafting out and, drafting never again, never measured it anew. So an engine
-that builds an :class:`~verispec.speculative.controller.AdaptiveController` (``"adaptive": true``)
-runs each verify width 1..k+1 on a scratch slot when it is built (one cold run, then the median
-of three), and the drafter's own calibration when it has one (``calibrate``, see
-:mod:`verispec.speculative.base`), and seeds the cost model with the warm timings. Each time but the
-decode step's own is taken as a ratio to a decode step run just before it, since the host's speed
-drifts within seconds and the controller decides on ratios (v(n), the draft cost c). Rounds then
-refine them as usual.
+shape pays one-time set-up (kernel primitives, allocation), often half as much again as a warm
+run; a controller that learned those first samples would price drafting out and, never drafting
+again, never measure it anew. So an engine that builds an
+:class:`~verispec.speculative.controller.AdaptiveController` (``"adaptive": true``) runs each
+verify width 1..k+1 on a scratch slot when it is built (one cold run, then the median of three),
+and the drafter's own calibration when it has one (``calibrate``, see
+:mod:`verispec.speculative.base`), and seeds the cost model with the warm timings. Each time but
+the decode step's own is taken as a ratio to a decode step run just before it, since a machine's
+speed drifts within seconds and the controller decides on ratios (v(n), the draft cost c).
+Rounds then refine them as usual. The measurements behind this are in docs/design.md.
 """
 
 from __future__ import annotations

@@ -149,11 +149,10 @@ class CostModel:
     """Measured round costs: T_target(n) per n, the draft time per draft token (EMAs) and the
     drafter's catch-up time for the tokens it missed while idle (lines through samples).
 
-    The machine's speed drifts (on a shared 2-vCPU host a decode step took 96 ms, then 140 ms
-    for a minute, then 110), and a cost is measured only when a round of its kind runs: T(3) by a
-    round that drafts 2, T(1) by a plain one. Ratios of times taken minutes apart (v(3) = T(3) /
-    T(1), the draft cost over T(1)) swung with the drift, by 30% there, and so did the choice of
-    k. So the model keeps one speed, learned from every verify pass (its time over what that
+    The machine's speed drifts (on a shared host, by 40% within minutes), and a cost is measured
+    only when a round of its kind runs: T(3) by a round that drafts 2, T(1) by a plain one.
+    Ratios of times taken minutes apart (v(3) = T(3) / T(1), the draft cost over T(1)) would
+    swing with the drift, and so would the choice of k (docs/design.md). So the model keeps one speed, learned from every verify pass (its time over what that
     width costs at the reference speed, an EMA), apart from the shape of the costs: each width's
     time, the draft time and the catch-up reads in reference seconds (a time divided by the
     speed when it was taken), with the first T(1) measured as the reference. A prediction is a
@@ -169,12 +168,11 @@ class CostModel:
     target_s: dict[int, float] = field(default_factory=dict)  # n -> EMA of the verify time, as measured
     extra_positions: int = 0  # what the drafter adds to a verify pass besides its drafts (last seen)
     # Recent catch-up reads as (tokens, reference seconds without the round's own drafts), of two
-    # kinds. A draft model reads a request's prompt in one pass, as the target's prefill did: 32
-    # tokens in ~4.4 ms each, 256 in ~1.5 (a 0.5B int4 draft on an AMX Xeon; from 64 tokens a pass
-    # takes the prefill path), so its cost is a line, as T_target(n) is. Tokens generated while it
-    # idled it reads in decode-sized passes (at most 63 tokens each) at ~5 ms a token, several
-    # times a long prompt's price: priced like a prompt, a return to drafting looks cheaper than
-    # it is.
+    # kinds. A draft model reads a request's prompt in one pass, as the target's prefill did, and
+    # a short prompt costs more per token than a long one, so its cost is a line, as T_target(n)
+    # is. Tokens generated while it idled it reads in decode-sized passes (at most 63 tokens
+    # each), at several times a long prompt's price per token: priced like a prompt, a return to
+    # drafting looks cheaper than it is (figures in docs/design.md).
     prompt_reads: list[tuple[int, float]] = field(default_factory=list)
     resume_reads: list[tuple[int, float]] = field(default_factory=list)
     max_catch_up_samples: int = 8  # per kind
