@@ -46,11 +46,11 @@ from typing import Any
 
 from verispec.bench.methods import PLAIN, MethodSpec, TurnResult
 from verispec.bench.runner import BenchResult, Run, Settings
-from verispec.bench.workloads import Workload
+from verispec.bench.plots import plot_acceptance, plot_speedup
+from verispec.bench.workloads import OVERALL, Workload
 from verispec.config import SpeculativeConfig
 from verispec.speculative.metrics import SpecMetrics
 
-OVERALL = "overall"
 GOAL_VS_HF_ASSISTED = 2.0
 GOAL_PLAIN_VS_HF_PLAIN = 1.5
 GOAL_ADAPTIVE_WITHIN_BEST = 0.95  # adaptive >= 95% of the best fixed k in every category
@@ -432,8 +432,6 @@ def write_report(report: dict, out: Path, plots: bool = True) -> list[Path]:
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
     if plots:
-        from verispec.bench.plots import plot_acceptance, plot_speedup
-
         files += [out / "speedup.png", out / "acceptance.png"]
         plot_speedup(report, files[2])
         plot_acceptance(report, files[3])
