@@ -1,7 +1,7 @@
-"""Helpers the per-issue benchmark scripts share: Spec-Bench question selection and one timed run.
+"""What the preset benchmarks share: Spec-Bench question selection and one timed greedy run.
 
-``verispec bench`` is the general harness; these scripts (bench_suffix, bench_tree,
-bench_server) use these few pieces for their own side-by-side tables.
+``verispec bench`` with ``--methods`` is the general harness; the presets that need their own
+side-by-side tables (suffix, tree, batch, server) use these few pieces.
 """
 
 from __future__ import annotations
@@ -11,12 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from verispec.bench.report import first_divergence
-from verispec.bench.workloads import read_jsonl
+from verispec.bench.workloads import read_jsonl, spec_bench_path
 
-__all__ = ["DEFAULT_QUESTIONS", "chat_questions", "first_divergence", "run_one", "select_questions"]
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared/data/spec_bench/question.jsonl"
+__all__ = ["chat_questions", "first_divergence", "run_one", "select_questions", "spec_bench_path"]
 
 
 def _by_category(path: Path) -> dict[str, list[dict]]:

@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from spec_runs import first_divergence, run_one  # benchmarks/spec_runs.py
-from common import log, machine_load  # benchmarks/common.py
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared/data/spec_bench/question.jsonl"
+from verispec.bench.machine import log, machine_load
+from verispec.bench.presets.common import first_divergence, run_one, spec_bench_path
+
 METHODS = ("plain", "ngram", "suffix", "lookahead")
 GROUPS = ("round1", "round2", "repetitive", "coding")
 GOAL_SUFFIX = 2.5  # suffix speedup on the repetitive workload
@@ -222,11 +221,12 @@ def coding_questions(path: Path, n: int) -> list[tuple[str, str]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Suffix decoding, ngram and lookahead vs plain on a code-editing workload.")
+    p = argparse.ArgumentParser(prog="verispec bench suffix", description="Suffix decoding, ngram and lookahead vs plain on a code-editing workload.")
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=8, help=f"code bodies, 1..{len(CODE_BODIES)} (default: %(default)s)")
     p.add_argument("--questions", type=int, default=0, help="also run this many Spec-Bench coding questions")
-    p.add_argument("--question-file", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
+    p.add_argument("--question-file", type=Path, default=None,
+                   help="Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH or ../shared/data/spec_bench/)")
     p.add_argument("--max-tokens", type=int, default=256, help="max generated tokens per request (default: %(default)s)")
     p.add_argument("--k", type=int, default=8, help="draft tokens per round for ngram and suffix (default: %(default)s)")
     p.add_argument("--suffix-min-token-prob", type=float, default=0.1, help="suffix_decoding_min_token_prob")
@@ -250,8 +250,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.method_list) - set(METHODS)
     if unknown:
         p.error(f"--methods: unknown {', '.join(sorted(unknown))}; valid: {', '.join(METHODS)}")
-    if args.questions and not args.question_file.is_file():
-        p.error(f"question file not found: {args.question_file}")
+    if args.questions:
+        args.question_file = args.question_file or spec_bench_path()
+        if not args.question_file.is_file():
+            p.error(f"question file not found: {args.question_file}")
     return args
 
 

@@ -1,6 +1,6 @@
 """Tree against chain speculation at equal target cost, on Spec-Bench questions.
 
-The same questions as ``bench_spec.py`` (half ``coding``, half alternating ``summarization`` /
+The same questions as ``verispec bench spec`` (half ``coding``, half alternating ``summarization`` /
 ``rag``; chat template; batch 1). For each drafter (``draft_model``, ``ngram``) two shapes
 verify the same number of positions per round, ``--budget`` drafts + the last committed token:
 
@@ -30,17 +30,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from spec_runs import DEFAULT_QUESTIONS, select_questions  # benchmarks/spec_runs.py
-from common import log, machine_load  # benchmarks/common.py
+
+from verispec.bench.machine import log, machine_load
+from verispec.bench.presets.common import select_questions, spec_bench_path
 
 GOAL_LENGTH, GOAL_SPEED = 1.2, 1.1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Tree vs chain speculation at equal target cost.")
+    p = argparse.ArgumentParser(prog="verispec bench tree", description="Tree vs chain speculation at equal target cost.")
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS)
+    p.add_argument("--questions", type=Path, default=None,
+                   help="Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH or ../shared/data/spec_bench/)")
     p.add_argument("--num-questions", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperatures", default="0,1", help="comma-separated (default: %(default)s)")
@@ -59,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--drafters: choose from draft_model, ngram")
     if args.budget < args.depth or args.depth < 1 or args.topk < 2:
         p.error("need budget >= depth >= 1 and topk >= 2")
+    args.questions = args.questions or spec_bench_path()
     if not args.questions.is_file():
         p.error(f"question file not found: {args.questions}")
     return args

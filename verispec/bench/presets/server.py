@@ -35,12 +35,12 @@ from pathlib import Path
 
 import torch
 
-from spec_runs import DEFAULT_QUESTIONS, chat_questions
-from common import log, machine_load
+from verispec.bench.machine import log, machine_load
+from verispec.bench.presets.common import chat_questions, spec_bench_path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="verispec bench server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model (default: %(default)s)")
     p.add_argument("--speculative-config", default='{"model": "qwen2.5-coder-0.5b-instruct", '
                    '"num_speculative_tokens": 4}', help="drafter of the speculative server (default: %(default)s)")
@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="max tokens per request (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="engine slots (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=2048, help="(default: %(default)s)")
-    p.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
+    p.add_argument("--questions", type=Path, default=None,
+                   help="Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH or ../shared/data/spec_bench/)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", help="(default: %(default)s)")
     p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.requests < max(levels):
         raise SystemExit(f"--requests {args.requests} is fewer than the highest concurrency {max(levels)}")
-    questions = [q["turns"][0] for q in chat_questions(args.questions, args.requests)]
+    questions = [q["turns"][0] for q in chat_questions(args.questions or spec_bench_path(), args.requests)]
     servers = build_servers(args)
     results: dict[str, dict] = {"plain": {}, "spec": {}}
     with servers["plain"], servers["spec"]:

@@ -1,6 +1,6 @@
 """Batched plain decoding without prefill: decode tokens/s against batch size, in one process.
 
-The server load test (``bench_server.py``) measures what clients see, prefill included; on a
+The server load test (``verispec bench server``) measures what clients see, prefill included; on a
 2-core CPU a prompt's prefill is compute-bound and takes as long as tens of decode steps, so
 it hides how well the decode steps themselves batch. This script isolates them: for each batch
 size B it admits B requests at once (prefill, untimed), then times the engine's steps until all
@@ -22,12 +22,12 @@ import time
 
 import torch
 
-from common import log, machine_load  # benchmarks/common.py
-from spec_runs import DEFAULT_QUESTIONS, chat_questions
+from verispec.bench.machine import log, machine_load
+from verispec.bench.presets.common import chat_questions, spec_bench_path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="verispec bench batch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model (default: %(default)s)")
     p.add_argument("--batch-sizes", default="1,2,4,8", help="(default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: %(default)s)")
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     target = load_model(args.target, dtype=args.dtype, quantization=args.quantization)
     tok = target.tokenizer
-    questions = chat_questions(DEFAULT_QUESTIONS, max(args.sizes))
+    questions = chat_questions(spec_bench_path(), max(args.sizes))
     prompts = [tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}]) for q in questions]
     longest = max(len(p) for p in prompts)
     engine = Engine(target, None, max_model_len=longest + args.max_tokens + 8, max_num_seqs=max(args.sizes))
