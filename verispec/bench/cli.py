@@ -51,7 +51,8 @@ questions (--questions): spec-bench (${SPEC_BENCH_ENV} or {SPEC_BENCH_RELATIVE})
 """
 
 
-USAGE = f"verispec bench [-h] [--model MODEL] [--methods METHODS] [options]\n       verispec bench {{{','.join(PRESETS)}}} [options]"
+USAGE = (f"verispec bench [-h] [--model MODEL] [--methods METHODS] [options]\n"
+         f"       verispec bench {{{','.join(PRESETS)}}} [options]")
 DESCRIPTION = ("Run several decoding methods on the same questions in one process, interleaved, and report "
                "tokens/s, speedup over plain decoding, acceptance statistics, c and alpha, and whether T=0 "
                "outputs are identical to plain decoding. Writes report.json, report.md and PNG plots to "

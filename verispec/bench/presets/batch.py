@@ -1,8 +1,8 @@
 """Batched plain decoding without prefill: decode tokens/s against batch size, in one process.
 
 The server load test (``verispec bench server``) measures what clients see, prefill included; on a
-2-core CPU a prompt's prefill is compute-bound and takes as long as tens of decode steps, so
-it hides how well the decode steps themselves batch. This script isolates them: for each batch
+small CPU a prompt's prefill is compute-bound and takes as long as tens of decode steps, so it
+hides how well the decode steps themselves batch. This preset isolates them: for each batch
 size B it admits B requests at once (prefill, untimed), then times the engine's steps until all
 finish, with every request forced to ``--max-tokens`` (EOS ignored). Same short Spec-Bench chat
 questions as the load test; greedy; the batch sizes alternate over ``--repeats`` so drift hits
@@ -27,7 +27,8 @@ from verispec.bench.presets.common import chat_questions, spec_bench_path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="verispec bench batch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="verispec bench batch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model (default: %(default)s)")
     p.add_argument("--batch-sizes", default="1,2,4,8", help="(default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: %(default)s)")

@@ -1,7 +1,8 @@
 """The two long reports under docs/benchmarks/, as settings of ``verispec bench``.
 
-Hours each on a 2-core CPU. Ctrl-C writes a partial report; the same preset with ``--resume``
-continues it, running only the question blocks it lacks. Any further option is passed on to
+Each takes hours on a small CPU machine (docs/benchmarks/ gives the times). Ctrl-C writes a
+partial report; the same preset with ``--resume`` continues it, running only the question blocks
+it lacks. Any further option is passed on to
 ``verispec bench`` (e.g. ``--out DIR``, which then wins over the preset's).
 """
 

@@ -40,7 +40,8 @@ from verispec.bench.presets.common import chat_questions, spec_bench_path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="verispec bench server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="verispec bench server", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model (default: %(default)s)")
     p.add_argument("--speculative-config", default='{"model": "qwen2.5-coder-0.5b-instruct", '
                    '"num_speculative_tokens": 4}', help="drafter of the speculative server (default: %(default)s)")

@@ -25,7 +25,8 @@ GOAL_DRAFT = 1.2
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="verispec bench spec", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="verispec bench spec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="(default: %(default)s)")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct", help="(default: %(default)s)")
     p.add_argument("--num-questions", type=int, default=5, help="questions per category (default: %(default)s)")

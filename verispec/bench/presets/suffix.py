@@ -221,7 +221,8 @@ def coding_questions(path: Path, n: int) -> list[tuple[str, str]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="verispec bench suffix", description="Suffix decoding, ngram and lookahead vs plain on a code-editing workload.")
+    p = argparse.ArgumentParser(prog="verispec bench suffix",
+                                description="Suffix decoding, ngram and lookahead vs plain on a code-editing workload.")
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model (default: %(default)s)")
     p.add_argument("--num-prompts", type=int, default=8, help=f"code bodies, 1..{len(CODE_BODIES)} (default: %(default)s)")
     p.add_argument("--questions", type=int, default=0, help="also run this many Spec-Bench coding questions")
