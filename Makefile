@@ -10,7 +10,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring.
 
-.PHONY: setup demo test test-long test-fast bench-decode bench-spec bench-report bench-adaptive clean
+.PHONY: setup demo test test-long test-fast bench-decode bench-spec bench-report bench-adaptive bench-suffix \
+	bench-tree bench-batch bench-server clean
 
 setup: $(VENV)/.installed
 
@@ -44,32 +45,32 @@ test-fast: setup
 bench-decode: setup
 	$(PY) benchmarks/bench_decode.py
 
+# The benchmark presets (`verispec bench --help` lists them), with the settings of the reports
+# in docs/benchmarks/. The two long reports take hours each on a 2-core CPU: Ctrl-C writes a
+# partial report, and `make bench-report RESUME=--resume` (or bench-adaptive) continues it,
+# running only the question blocks it lacks.
 bench-spec: setup
-	$(PY) benchmarks/bench_spec.py
-
-# The two long reports under docs/benchmarks/ (hours each on a 2-core CPU). Ctrl-C writes a
-# partial report; `make bench-report RESUME=--resume` (or bench-adaptive) continues it, running
-# only the question blocks it lacks.
-TARGET := qwen2.5-coder-1.5b-instruct
-DRAFT := draft_model:qwen2.5-coder-0.5b-instruct
-REPORT_METHODS := plain,ngram@k=4,suffix@k=8,lookahead@k=3,$(DRAFT)@k=4,quantization=int4,\
-$(DRAFT)@k=5,draft_topk=2,num_draft_tokens=6,quantization=int4,hf:plain,hf:assisted:qwen2.5-coder-0.5b-instruct,\
-hf:prompt_lookup,llamacpp:plain,llamacpp:prompt_lookup
-ADAPTIVE_METHODS := plain,ngram@k=8,\
-ngram@k=1,adaptive=false,ngram@k=2,adaptive=false,ngram@k=4,adaptive=false,ngram@k=6,adaptive=false,\
-ngram@k=8,adaptive=false,$(DRAFT)@k=8,quantization=int4,$(DRAFT)@k=1,adaptive=false,quantization=int4,\
-$(DRAFT)@k=2,adaptive=false,quantization=int4,$(DRAFT)@k=4,adaptive=false,quantization=int4,\
-$(DRAFT)@k=6,adaptive=false,quantization=int4,$(DRAFT)@k=8,adaptive=false,quantization=int4
-ALL_CATEGORIES := writing,roleplay,reasoning,math,coding,extraction,stem,humanities,translation,summarization,qa,math_reasoning,rag
+	$(VENV)/bin/verispec bench spec
 
 bench-report: setup
-	$(VENV)/bin/verispec bench --model $(TARGET) --quantization int4 --threads 2 --num-questions 3 \
-		--max-tokens 128 --out docs/benchmarks/spec-bench --no-progress --methods "$(REPORT_METHODS)" $(RESUME)
+	$(VENV)/bin/verispec bench report $(RESUME)
 
 bench-adaptive: setup
-	$(VENV)/bin/verispec bench --model $(TARGET) --quantization int4 --threads 2 --categories $(ALL_CATEGORIES) \
-		--num-questions 3 --max-tokens 128 --max-turns 1 --out docs/benchmarks/adaptive --no-progress \
-		--methods "$(ADAPTIVE_METHODS)" $(RESUME)
+	$(VENV)/bin/verispec bench adaptive $(RESUME)
+
+bench-suffix: setup
+	$(VENV)/bin/verispec bench suffix --quantization int4 --num-prompts 8 --questions 2 --max-tokens 96
+
+bench-tree: setup
+	$(VENV)/bin/verispec bench tree --quantization int4 --num-questions 10 --max-tokens 48 --depth 5 \
+		--topk 2 --budget 6 --temperatures 0,1
+
+bench-batch: setup
+	$(VENV)/bin/verispec bench batch --quantization int4
+
+bench-server: setup
+	$(VENV)/bin/verispec bench server --quantization int4 --speculative-config \
+		'{"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4, "quantization": "int4"}'
 
 clean:
 	rm -rf $(VENV) .pytest_cache

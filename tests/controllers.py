@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from verispec.spec.controller import FixedK
+from verispec.speculative.controller import FixedK
 
 
 class RandomBudget(FixedK):

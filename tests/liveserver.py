@@ -19,7 +19,7 @@ from verispec.engine.engine import Engine
 from verispec.models.tokenizer import Tokenizer
 from verispec.server.app import build_app
 from verispec.server.serve import BackgroundServer
-from verispec.spec.draft_model import DraftModelDrafter
+from verispec.speculative.draft_model import DraftModelDrafter
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?-\n")

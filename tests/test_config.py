@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from verispec.config import SamplingParams, SpeculativeConfig
-from verispec.spec.base import DrafterContext, available_methods, build_drafter
+from verispec.speculative.base import DrafterContext, available_methods, build_drafter
 
 
 @pytest.mark.parametrize(

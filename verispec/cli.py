@@ -5,6 +5,7 @@
     verispec serve MODEL [speculative flags] [--host H] [--port P] [--api-key KEY] ...
     verispec models list | fetch NAME
     verispec bench --model MODEL --methods plain,ngram,... [--questions spec-bench|code-edit|FILE]
+    verispec bench PRESET [options]      (verispec bench --help lists the presets)
 
 MODEL is a bundled name (``verispec models list``), a local Hugging Face directory or a
 ``.gguf`` file. Speculative flags follow vLLM: ``--speculative-config JSON`` or the shorthands
@@ -19,6 +20,7 @@ import sys
 import time
 
 from verispec.bench import cli as bench_cli
+from verispec.bench.presets import PRESETS, run_preset
 from verispec.config import SamplingParams, SpeculativeConfig
 
 DEFAULT_DEMO_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -96,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from verispec.models.compile import compile_decoder
     from verispec.models.loader import load_model
     from verispec.runtime import set_threads
-    from verispec.spec.base import check_method
+    from verispec.speculative.base import check_method
 
     # Validate everything cheap before loading gigabytes.
     params = SamplingParams(
@@ -194,7 +196,7 @@ def _plan_acceptance(args: argparse.Namespace) -> list[float]:
 def cmd_plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from verispec.spec.plan import format_plan, make_plan, measure, plot_plan
+    from verispec.speculative.plan import format_plan, make_plan, measure, plot_plan
 
     acceptance = _plan_acceptance(args)
     if args.batch_size < 1:
@@ -264,7 +266,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     from verispec.server.serve import serve
-    from verispec.spec.base import check_method
+    from verispec.speculative.base import check_method
 
     spec = speculative_config_from_args(args)
     if spec is not None:
@@ -314,12 +316,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    handlers = {"generate": cmd_generate, "serve": cmd_serve, "plan": cmd_plan, "models": cmd_models,
-                "bench": bench_cli.cmd_bench}
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in PRESETS:
+        # a preset parses its own options: verispec bench NAME [options]
+        def handler(_: argparse.Namespace) -> int:
+            return run_preset(argv[1], argv[2:])
+        args = None
+    else:
+        args = build_parser().parse_args(argv)
+        handlers = {"generate": cmd_generate, "serve": cmd_serve, "plan": cmd_plan, "models": cmd_models,
+                    "bench": bench_cli.cmd_bench}
+        handler = handlers[args.command]
     try:
-        return handlers[args.command](args)
+        return handler(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"verispec: error: {e}", file=sys.stderr)
         return 2

@@ -57,9 +57,9 @@ class SamplingParams:
 class SpeculativeConfig:
     """vLLM-compatible speculative decoding settings (``--speculative-config`` JSON).
 
-    ``method`` picks a drafter from :mod:`verispec.spec.registry`; the drafter reads the
+    ``method`` picks a drafter from :mod:`verispec.speculative.registry`; the drafter reads the
     fields it needs and ignores the rest. With ``adaptive`` (the default) the controller of
-    :mod:`verispec.spec.controller` picks k per request and round, and
+    :mod:`verispec.speculative.controller` picks k per request and round, and
     ``num_speculative_tokens`` is the most it may pick; ``adaptive: false`` drafts exactly
     ``num_speculative_tokens`` every round.
 
@@ -70,7 +70,7 @@ class SpeculativeConfig:
     ``speculative_token_tree`` a static Medusa-style choices list (tuples of top-k ranks).
     ``tree_children`` says how a node's children are chosen when sampling: ``"topk"`` (the
     draft's top-k, deterministic; dynamic EAGLE-2 trees), ``"without_replacement"`` or
-    ``"iid"`` (sampled from q; these need a static shape, see :mod:`verispec.spec.tree_verify`).
+    ``"iid"`` (sampled from q; these need a static shape, see :mod:`verispec.speculative.tree_verify`).
     """
 
     method: str
@@ -180,7 +180,7 @@ class SpeculativeConfig:
             tree = tuple(tuple(int(r) for r in choice) for choice in tree)
         except (TypeError, ValueError):
             raise ValueError(f"speculative_token_tree must be a list of rank tuples, got {tree!r}") from None
-        from verispec.spec.tree import Tree  # validates prefixes and ranks
+        from verispec.speculative.tree import Tree  # validates prefixes and ranks
 
         Tree.from_choices(tree)
         object.__setattr__(self, "speculative_token_tree", tree)

@@ -22,8 +22,8 @@ from verispec.bench.report import load_report
 from verispec.bench.runner import Settings
 from verispec.bench.workloads import load_workload
 from verispec.cli import main
-from verispec.spec import base
-from verispec.spec.base import Proposal
+from verispec.speculative import base
+from verispec.speculative.base import Proposal
 
 from tiny import LETTERS, loaded, tiny_model
 

@@ -8,7 +8,7 @@ import torch
 from verispec.bench import methods
 from verispec.bench.methods import HFRunner, LlamaCppRunner, hf_generation_options, parse_methods, speculative_config
 from verispec.config import SamplingParams, SpeculativeConfig
-from verispec.spec import base
+from verispec.speculative import base
 
 
 def test_plain_comes_first_and_duplicates_are_dropped():
@@ -165,8 +165,8 @@ def test_llamacpp_prompt_lookup_keeps_a_logits_row_per_position(monkeypatch, tmp
 def test_builder_makes_tree_drafters_and_loads_each_draft_once_per_quantization():
     from tiny import loaded, tiny_model
 
-    from verispec.spec.draft_model import DraftModelDrafter
-    from verispec.spec.draft_tree import TreeDraftModelDrafter
+    from verispec.speculative.draft_model import DraftModelDrafter
+    from verispec.speculative.draft_tree import TreeDraftModelDrafter
 
     target = loaded(tiny_model(48, seed=0))
     calls = []

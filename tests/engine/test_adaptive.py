@@ -18,9 +18,9 @@ from tiny import loaded
 from verispec.config import SamplingParams, SpeculativeConfig
 import verispec.engine.engine as engine_module
 from verispec.engine.engine import Engine
-from verispec.spec.controller import AdaptiveController, RoundReport
-from verispec.spec.draft_model import DraftModelDrafter
-from verispec.spec.ngram import NgramDrafter
+from verispec.speculative.controller import AdaptiveController, RoundReport
+from verispec.speculative.draft_model import DraftModelDrafter
+from verispec.speculative.ngram import NgramDrafter
 
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=60)

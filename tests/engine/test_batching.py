@@ -12,8 +12,8 @@ import pytest
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.batch_k import StepCosts, choose_k
 from verispec.engine.engine import Engine
-from verispec.spec.draft_model import DraftModelDrafter
-from verispec.spec.ngram import NgramDrafter
+from verispec.speculative.draft_model import DraftModelDrafter
+from verispec.speculative.ngram import NgramDrafter
 
 from tiny import loaded, torch_threads
 

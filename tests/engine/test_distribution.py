@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-import verispec.spec.verify as verify_module
+import verispec.speculative.verify as verify_module
 from distribution import PROMPT, SETTINGS, exact_joint, goodness_of_fit, passes, sample_counts, target_and_draft
 from tiny import loaded
 from verispec.config import SpeculativeConfig
 from verispec.engine.engine import Engine
-from verispec.spec.draft_model import DraftModelDrafter
+from verispec.speculative.draft_model import DraftModelDrafter
 
 K = 2
 

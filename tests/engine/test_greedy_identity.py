@@ -6,8 +6,8 @@ import pytest
 
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
-from verispec.spec.draft_model import DraftModelDrafter
-from verispec.spec.ngram import NgramDrafter
+from verispec.speculative.draft_model import DraftModelDrafter
+from verispec.speculative.ngram import NgramDrafter
 
 from tiny import loaded
 

@@ -16,8 +16,8 @@ from tiny import loaded
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
 from verispec.models.quant import quantize_
-from verispec.spec.draft_model import DraftModelDrafter
-from verispec.spec.ngram import NgramDrafter
+from verispec.speculative.draft_model import DraftModelDrafter
+from verispec.speculative.ngram import NgramDrafter
 
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]
 LONG_PROMPT = [(5 * i * i + 3) % 48 for i in range(70)] + PROMPT  # takes the prefill path (PREFILL_MIN_TOKENS)

@@ -10,7 +10,7 @@ from realmodels import GREEDY, MAX_MODEL_LEN, PROMPTS, prompt_ids
 from verispec.config import SpeculativeConfig
 from verispec.engine.engine import Engine
 from verispec.models.quant import quantize_
-from verispec.spec.draft_model import DraftModelDrafter
+from verispec.speculative.draft_model import DraftModelDrafter
 
 
 @pytest.mark.slow

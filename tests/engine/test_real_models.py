@@ -13,7 +13,7 @@ import pytest
 from realmodels import GREEDY, MAX_MODEL_LEN, PROMPTS, prompt_ids
 from verispec.config import SpeculativeConfig
 from verispec.engine.engine import Engine
-from verispec.spec.draft_model import DraftModelDrafter
+from verispec.speculative.draft_model import DraftModelDrafter
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def test_qwen_coder_1_5b_with_0_5b_draft_identical(qwen_target, qwen_draft, qwen
 
 
 def test_incompatible_draft_vocabulary_is_a_clear_error(smollm, qwen_target):
-    from verispec.spec.draft_model import check_vocab_compatible
+    from verispec.speculative.draft_model import check_vocab_compatible
 
     with pytest.raises(ValueError, match="incompatible"):
         check_vocab_compatible(qwen_target, smollm)

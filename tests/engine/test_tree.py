@@ -3,7 +3,7 @@ sampled distribution (shared harness, ``tests/distribution.py``) with a negative
 
 The harness generates 3 tokens, so its rounds verify depth-1 trees (several children of one
 node, the heart of multi-draft sampling); deeper trees are covered statistically in
-``tests/spec/test_tree_verify.py`` and by greedy identity here. The adaptive node budget (the
+``tests/speculative/test_tree_verify.py`` and by greedy identity here. The adaptive node budget (the
 controller verifying only a dynamic tree's m best nodes) is held to both: greedy identity with
 the real controller and with random budgets, and the distribution with random budgets.
 """
@@ -13,16 +13,16 @@ from __future__ import annotations
 import pytest
 
 import verispec.engine.engine as engine_module
-import verispec.spec.tree_verify as tree_verify
+import verispec.speculative.tree_verify as tree_verify
 from distribution import PROMPT as DIST_PROMPT, SETTINGS, exact_joint, goodness_of_fit, passes, sample_counts, \
     target_and_draft
 from controllers import RandomBudget
 from tiny import loaded
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
-from verispec.spec.controller import AdaptiveController
-from verispec.spec.draft_tree import TreeDraftModelDrafter
-from verispec.spec.ngram import NgramDrafter
+from verispec.speculative.controller import AdaptiveController
+from verispec.speculative.draft_tree import TreeDraftModelDrafter
+from verispec.speculative.ngram import NgramDrafter
 
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7, 9, 4, 3, 7, 9, 11, 6]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, seed=0)  # seeded: sampled children (iid, without_replacement) draw the same trees every run

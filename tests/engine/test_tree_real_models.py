@@ -12,7 +12,7 @@ from controllers import RandomBudget
 from realmodels import GREEDY, MAX_MODEL_LEN, PROMPTS, prompt_ids
 from verispec.config import SpeculativeConfig
 from verispec.engine.engine import Engine
-from verispec.spec.draft_tree import TreeDraftModelDrafter
+from verispec.speculative.draft_tree import TreeDraftModelDrafter
 
 pytestmark = pytest.mark.slow
 

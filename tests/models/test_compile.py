@@ -14,7 +14,7 @@ from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
 from verispec.models.compile import BUCKETS, bucket, compile_decoder
 from verispec.models.decoder import EAGER_STEPS
-from verispec.spec.ngram import NgramDrafter
+from verispec.speculative.ngram import NgramDrafter
 
 
 def test_bucket_is_the_smallest_that_fits():

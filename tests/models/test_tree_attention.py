@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from verispec.models.decoder import Decoder, DecoderConfig
-from verispec.spec.tree import Tree, tree_layout
+from verispec.speculative.tree import Tree, tree_layout
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
-"""``verispec bench``: the command-line layer over :func:`run_and_report`.
+"""``verispec bench``: the command-line layer over :func:`run_and_report`, and its presets.
 
 The CLI validates everything cheap (methods, workload, settings) before loading a model, loads
 the target, then hands over to :func:`run_and_report`, which tests call directly with tiny
-preloaded models.
+preloaded models. ``verispec bench NAME [options]`` runs a preset instead
+(:mod:`verispec.bench.presets`); ``verispec bench --help`` lists them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from typing import TYPE_CHECKING
 
 from verispec.bench.machine import log, machine_info, machine_load
+from verispec.bench.presets import PRESETS, presets_help
 from verispec.bench.workloads import (
     MT_BENCH, SPEC_BENCH_ENV, SPEC_BENCH_RELATIVE, ChatFormat, PromptFormat, Workload,
     load_workload,
@@ -49,15 +51,33 @@ questions (--questions): spec-bench (${SPEC_BENCH_ENV} or {SPEC_BENCH_RELATIVE})
 """
 
 
+USAGE = (f"verispec bench [-h] [--model MODEL] [--methods METHODS] [options]\n"
+         f"       verispec bench {{{','.join(PRESETS)}}} [options]")
+DESCRIPTION = ("Run several decoding methods on the same questions in one process, interleaved, and report "
+               "tokens/s, speedup over plain decoding, acceptance statistics, c and alpha, and whether T=0 "
+               "outputs are identical to plain decoding. Writes report.json, report.md and PNG plots to "
+               "--out; prints the Markdown and one JSON line. A preset runs one of the benchmarks behind "
+               "the reports in docs/benchmarks/ with its settings.")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser(
-        "bench", help="benchmark decoding methods on Spec-Bench-style questions (report with plots)",
-        description="Run several decoding methods on the same questions in one process, interleaved, "
-        "and report tokens/s, speedup over plain decoding, acceptance statistics, c and alpha, and "
-        "whether T=0 outputs are identical to plain decoding. Writes report.json, report.md and "
-        "PNG plots to --out; prints the Markdown and one JSON line.",
-        epilog=METHODS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "bench", help="benchmark decoding methods on Spec-Bench-style questions (report with plots), or run a preset",
+        usage=USAGE, description=DESCRIPTION, epilog=presets_help() + "\n" + METHODS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_arguments(b)
+
+
+def main(argv: list[str], prog: str = "verispec bench", description: str = DESCRIPTION) -> int:
+    """``verispec bench`` with these options (no preset): how presets run the general harness."""
+    b = argparse.ArgumentParser(prog=prog, description=description, epilog=METHODS_HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(b)
+    return cmd_bench(b.parse_args(argv))
+
+
+def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--model", help="target: bundled name, HF model directory or .gguf file")
     b.add_argument("--methods", default="plain,ngram", help="see below (default: %(default)s)")
     b.add_argument("--questions", default="spec-bench", help="spec-bench, code-edit or a JSONL file (default: %(default)s)")

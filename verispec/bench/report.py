@@ -9,7 +9,7 @@ Figures per method, per category and ``overall`` (all runs of every turn and rep
   push count as prefill output.
 * ``speedup`` / ``decode_speedup`` -- the method's tok/s over verispec ``plain``'s, same runs.
 * ``mean_acceptance_length``, ``acceptance_rate``, ``per_position_acceptance``, ``c`` and
-  ``alpha`` -- from the pooled :class:`~verispec.spec.metrics.SpecMetrics` (verispec methods
+  ``alpha`` -- from the pooled :class:`~verispec.speculative.metrics.SpecMetrics` (verispec methods
   only), with T_target(1) taken from plain decoding in the same category;
   ``draft_share`` / ``verify_share`` -- drafting / verify-pass time over decode time.
 * ``identical`` -- at T = 0, how many runs are token-identical to plain decoding's answer to
@@ -21,7 +21,7 @@ Figures per method, per category and ``overall`` (all runs of every turn and rep
 * ``tok_per_step`` / ``speed_adjusted_speedup`` -- generated tokens per plain decode step, each
   run's wall time counted in the decode steps T(1) it measured itself (the verify phase of its
   rounds that verified one position), and that over plain's: the machine's speed drifts between
-  the runs of a block (on a shared 2-vCPU host a decode step takes 100 ms in one run and 140 in
+  the runs of a block (on a shared host a decode step may take 40% longer in one run than in
   the next), and counted in its own steps a run's speed cancels. Only where every run of the
   method had at least ``MIN_T1_ROUNDS`` such rounds (plain, prompt lookup, adaptive methods
   that ran plain rounds; not a draft model drafting every round); else None.
@@ -46,11 +46,11 @@ from typing import Any
 
 from verispec.bench.methods import PLAIN, MethodSpec, TurnResult
 from verispec.bench.runner import BenchResult, Run, Settings
-from verispec.bench.workloads import Workload
+from verispec.bench.plots import plot_acceptance, plot_speedup
+from verispec.bench.workloads import OVERALL, Workload
 from verispec.config import SpeculativeConfig
-from verispec.spec.metrics import SpecMetrics
+from verispec.speculative.metrics import SpecMetrics
 
-OVERALL = "overall"
 GOAL_VS_HF_ASSISTED = 2.0
 GOAL_PLAIN_VS_HF_PLAIN = 1.5
 GOAL_ADAPTIVE_WITHIN_BEST = 0.95  # adaptive >= 95% of the best fixed k in every category
@@ -432,8 +432,6 @@ def write_report(report: dict, out: Path, plots: bool = True) -> list[Path]:
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
     if plots:
-        from verispec.bench.plots import plot_acceptance, plot_speedup
-
         files += [out / "speedup.png", out / "acceptance.png"]
         plot_speedup(report, files[2])
         plot_acceptance(report, files[3])

@@ -38,6 +38,7 @@ MT_BENCH = "mt_bench"
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 SPEC_BENCH_GROUPS = (MT_BENCH, "translation", "summarization", "qa", "math_reasoning", "rag")
 BUILTIN_WORKLOADS = ("spec-bench", "code-edit")
+OVERALL = "overall"  # the pseudo-category that pools every category of a report
 
 
 @dataclass(frozen=True)

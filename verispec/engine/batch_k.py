@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from verispec.spec.controller import expected_tokens, fit_line
+from verispec.speculative.cost_model import expected_tokens, fit_line
 
 # Acceptance rate assumed before any draft has been verified.
 PRIOR_ACCEPTANCE = 0.7

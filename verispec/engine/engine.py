@@ -37,7 +37,7 @@ verification walks the tree, and commit keeps the accepted path's K/V with one c
 (:meth:`KVCache.keep`).
 
 k per sequence: the batch-aware rule of :mod:`verispec.engine.batch_k` caps it as the batch
-grows, and the controller (:mod:`verispec.spec.controller`) picks a k up to that cap from
+grows, and the controller (:mod:`verispec.speculative.controller`) picks a k up to that cap from
 measured costs and the request's acceptance; for a tree whose nodes carry draft values it also
 picks how many of the best nodes to verify (the node budget). A request that sets its own
 ``num_speculative_tokens`` pins k (at most the engine's): it skips both and drafts that many
@@ -46,17 +46,16 @@ seed reproduces its output (its random draws depend on how many drafts each roun
 greedy output does not depend on k at all).
 
 Calibration. An adaptive controller decides from measured costs, and the first run of each
-shape pays one-time set-up (kernel primitives, allocation): on the 2-vCPU Xeon a cold
-3-position verify of the 1.5B int4 target took 162 ms against ~106 warm, and a cold 34-token
-prompt read by the 0.5B draft 492 ms against ~200. A controller that learned those first
-samples priced drafting out and, drafting never again, never measured it anew. So an engine
-that builds an :class:`~verispec.spec.controller.AdaptiveController` (``"adaptive": true``)
-runs each verify width 1..k+1 on a scratch slot when it is built (one cold run, then the median
-of three), and the drafter's own calibration when it has one (``calibrate``, see
-:mod:`verispec.spec.base`), and seeds the cost model with the warm timings. Each time but the
-decode step's own is taken as a ratio to a decode step run just before it, since the host's speed
-drifts within seconds and the controller decides on ratios (v(n), the draft cost c). Rounds then
-refine them as usual.
+shape pays one-time set-up (kernel primitives, allocation), often half as much again as a warm
+run; a controller that learned those first samples would price drafting out and, never drafting
+again, never measure it anew. So an engine that builds an
+:class:`~verispec.speculative.controller.AdaptiveController` (``"adaptive": true``) runs each
+verify width 1..k+1 on a scratch slot when it is built (one cold run, then the median of three),
+and the drafter's own calibration when it has one (``calibrate``, see
+:mod:`verispec.speculative.base`), and seeds the cost model with the warm timings. Each time but
+the decode step's own is taken as a ratio to a decode step run just before it, since a machine's
+speed drifts within seconds and the controller decides on ratios (v(n), the draft cost c).
+Rounds then refine them as usual. The measurements behind this are in docs/design.md.
 """
 
 from __future__ import annotations
@@ -73,21 +72,15 @@ from verispec.detokenize import IncrementalDetokenizer
 from verispec.engine.batch_k import StepCosts, choose_k
 from verispec.engine.sequence import Sequence
 from verispec.sampling import logits_to_probs, make_generator
-from verispec.spec.base import (
+from verispec.speculative.base import (
     EMPTY_PROPOSAL, AuxBranch, Drafter, DrafterContext, Outcome, Proposal, build_drafter,
 )
-from verispec.spec.controller import (
-    AdaptiveController,
-    Controller,
-    RoundReport,
-    build_controller,
-    relative_time,
-    warm_seconds,
-)
-from verispec.spec.metrics import SpecMetrics
-from verispec.spec.tree import Tree, tree_layout
-from verispec.spec.tree_verify import verify_tree_greedy, verify_tree_stochastic
-from verispec.spec.verify import VerifyResult, verify_greedy, verify_stochastic
+from verispec.speculative.controller import AdaptiveController, Controller, RoundReport, build_controller
+from verispec.speculative.cost_model import relative_time, warm_seconds
+from verispec.speculative.metrics import SpecMetrics
+from verispec.speculative.tree import Tree, tree_layout
+from verispec.speculative.tree_verify import verify_tree_greedy, verify_tree_stochastic
+from verispec.speculative.verify import VerifyResult, verify_greedy, verify_stochastic
 
 if TYPE_CHECKING:
     from verispec.models.loader import LoadedModel
@@ -225,7 +218,7 @@ class Engine:
     def _calibrate(self, controller: AdaptiveController) -> None:
         """Seed ``controller.costs`` with warm timings of every verify width 1..k+1 and the
         drafter's costs (see the module doc). Each is timed against a one-position pass run
-        just before it (:func:`~verispec.spec.controller.relative_time`), so that the cost
+        just before it (:func:`~verispec.speculative.cost_model.relative_time`), so that the cost
         ratios do not depend on how the host's speed drifted between them. Runs on a free slot,
         which is left empty."""
         slot, device = self.free_slots[-1], self.model.device

@@ -13,7 +13,7 @@ import torch
 
 from verispec.config import SamplingParams
 from verispec.detokenize import IncrementalDetokenizer, StopChecker
-from verispec.spec.metrics import SpecMetrics
+from verispec.speculative.metrics import SpecMetrics
 
 
 @dataclass(eq=False)

@@ -19,9 +19,9 @@ compiled model as long as a row's result does not depend on the bucket it was co
 ``tests/models/test_compile.py`` checks that bitwise, and greedy identity with plain decoding of
 the same compiled model.
 
-**When it pays.** Measured on a 2-core AVX2 CPU without native bf16 (see the README): inductor
-replaces the bf16 matrix-vector products with slower generated code, so compiled decode is
-slower there, and the first compile of each bucket takes tens of seconds. It is therefore off by
+**When it pays.** On CPUs without native bf16 arithmetic, inductor replaces the bf16
+matrix-vector products with slower generated code, so compiled decode can be slower there, and
+the first compile of each bucket takes tens of seconds (docs/benchmarks/quant.md). It is therefore off by
 default (``--compile`` turns it on). CUDA graphs are not used: a compiled half's output feeds the
 next layer's call of the same graph, which graph replay would overwrite.
 """

@@ -11,7 +11,7 @@ verispec extras:
   ``{"num_speculative_tokens": k}`` caps its drafts per round (at most the server's k).
 * response ``speculative_stats`` (and in the final stream chunk): drafted and accepted tokens,
   acceptance rate and mean acceptance length (bonus token included, as in
-  :mod:`verispec.spec.metrics`).
+  :mod:`verispec.speculative.metrics`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from verispec.spec.metrics import SpecMetrics
+from verispec.speculative.metrics import SpecMetrics
 
 
 class SpeculativeOptions(BaseModel):

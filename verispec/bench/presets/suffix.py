@@ -1,0 +1,384 @@
+"""Suffix decoding, prompt lookup and lookahead against plain decoding on a repetitive workload.
+
+The workload is code editing: each request asks the target to rewrite a short function (about
+150 tokens of code) with one thing changed. Round 1 sends every code body once; round 2 sends the
+same bodies again with a small variation of the instruction, which is where suffix decoding's
+global cache of earlier outputs pays off. ``--questions N`` also runs the first N coding
+questions of Spec-Bench (``question.jsonl``).
+
+Every method has its own engine, built once, so each suffix drafter keeps its own global cache
+across the run. For each request all methods run in turn, the first one rotating from request to
+request, so machine drift hits them alike. Decoding is greedy (T = 0), batch 1.
+
+Figures per method and group (round 1, round 2, repetitive = both rounds, coding questions):
+decode tokens/s (output tokens after the first / (wall time - prefill)), speedup (plain's decode
+time / the method's, over the same requests), mean acceptance length (counts the bonus token,
+see :mod:`verispec.speculative.metrics`), acceptance rate, and whether outputs equal plain decoding's.
+A Markdown table is printed, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verispec.bench.machine import log, machine_load
+from verispec.bench.presets.common import first_divergence, run_one, spec_bench_path
+
+METHODS = ("plain", "ngram", "suffix", "lookahead")
+GROUPS = ("round1", "round2", "repetitive", "coding")
+GOAL_SUFFIX = 2.5  # suffix speedup on the repetitive workload
+GOAL_LOOKAHEAD = 1.2  # lookahead speedup on Spec-Bench coding questions
+
+CODE_BODIES = [
+    '''def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    result = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            result.append(total / window)
+    return result
+
+
+def normalize(values):
+    low, high = min(values), max(values)
+    if high == low:
+        return [0.0 for _ in values]
+    return [(v - low) / (high - low) for v in values]''',
+    '''class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, quantity):
+        if quantity <= 0:
+            raise ValueError("quantity must be positive")
+        self.items[name] = self.items.get(name, 0) + quantity
+
+    def remove(self, name, quantity):
+        current = self.items.get(name, 0)
+        if quantity > current:
+            raise KeyError(f"not enough {name} in stock")
+        self.items[name] = current - quantity
+        if self.items[name] == 0:
+            del self.items[name]
+
+    def total(self):
+        return sum(self.items.values())''',
+    '''def parse_config(lines):
+    config = {}
+    section = None
+    for raw in lines:
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            config[section] = {}
+            continue
+        key, _, value = line.partition("=")
+        if section is None:
+            raise ValueError("key outside of a section")
+        config[section][key.strip()] = value.strip()
+    return config''',
+    '''def binary_search(items, target):
+    low, high = 0, len(items) - 1
+    while low <= high:
+        mid = (low + high) // 2
+        if items[mid] == target:
+            return mid
+        if items[mid] < target:
+            low = mid + 1
+        else:
+            high = mid - 1
+    return -1
+
+
+def insert_sorted(items, value):
+    index = 0
+    while index < len(items) and items[index] < value:
+        index += 1
+    items.insert(index, value)
+    return items''',
+    '''import json
+
+
+def load_users(path):
+    with open(path) as handle:
+        data = json.load(handle)
+    users = []
+    for entry in data["users"]:
+        if not entry.get("active", True):
+            continue
+        users.append({
+            "name": entry["name"],
+            "email": entry["email"].lower(),
+            "age": int(entry.get("age", 0)),
+        })
+    return users
+
+
+def adults(users):
+    return [user for user in users if user["age"] >= 18]''',
+    '''def word_frequencies(text):
+    counts = {}
+    for word in text.lower().split():
+        word = word.strip(".,;:!?\\"'()")
+        if not word:
+            continue
+        counts[word] = counts.get(word, 0) + 1
+    return counts
+
+
+def top_words(text, n):
+    counts = word_frequencies(text)
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return [word for word, _ in ranked[:n]]''',
+    '''class Stack:
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.data = []
+
+    def push(self, value):
+        if len(self.data) >= self.capacity:
+            raise OverflowError("stack is full")
+        self.data.append(value)
+
+    def pop(self):
+        if not self.data:
+            raise IndexError("pop from an empty stack")
+        return self.data.pop()
+
+    def peek(self):
+        if not self.data:
+            return None
+        return self.data[-1]
+
+    def __len__(self):
+        return len(self.data)''',
+    '''def merge_intervals(intervals):
+    if not intervals:
+        return []
+    ordered = sorted(intervals, key=lambda pair: pair[0])
+    merged = [list(ordered[0])]
+    for start, end in ordered[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(pair) for pair in merged]
+
+
+def total_covered(intervals):
+    return sum(end - start for start, end in merge_intervals(intervals))''',
+]
+
+# (round 1 change, round 2 variation) for each code body
+CHANGES = [
+    ("the parameter `window` renamed to `size`", "the parameter `window` renamed to `width`"),
+    ("the method `total` renamed to `count`", "the method `total` renamed to `size`"),
+    ("the variable `section` renamed to `group`", "the variable `section` renamed to `block`"),
+    ("the variable `items` renamed to `values`", "the variable `items` renamed to `data`"),
+    ("the function `adults` renamed to `grown_ups`", "the function `adults` renamed to `majors`"),
+    ("the function `top_words` renamed to `most_common`", "the function `top_words` renamed to `frequent`"),
+    ("the attribute `data` renamed to `items`", "the attribute `data` renamed to `elements`"),
+    ("the variable `merged` renamed to `result`", "the variable `merged` renamed to `joined`"),
+]
+
+
+def edit_request(code: str, change: str) -> str:
+    return (f"Rewrite this code with {change}. Keep everything else exactly the same and reply "
+            f"with the code only.\n\n```python\n{code}\n```")
+
+
+def workload(num_prompts: int) -> list[tuple[str, str]]:
+    """(group, request text): round 1 for every body, then round 2 with varied instructions."""
+    bodies = list(zip(CODE_BODIES, CHANGES))[:num_prompts]
+    return ([("round1", edit_request(code, first)) for code, (first, _) in bodies]
+            + [("round2", edit_request(code, second)) for code, (_, second) in bodies])
+
+
+def coding_questions(path: Path, n: int) -> list[tuple[str, str]]:
+    questions = []
+    with path.open(encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip() and (q := json.loads(line)).get("category") == "coding":
+                questions.append(("coding", q["turns"][0]))
+    if len(questions) < n:
+        raise SystemExit(f"{path} has {len(questions)} coding questions, fewer than --questions {n}")
+    return questions[:n]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="verispec bench suffix",
+                                description="Suffix decoding, ngram and lookahead vs plain on a code-editing workload.")
+    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=8, help=f"code bodies, 1..{len(CODE_BODIES)} (default: %(default)s)")
+    p.add_argument("--questions", type=int, default=0, help="also run this many Spec-Bench coding questions")
+    p.add_argument("--question-file", type=Path, default=None,
+                   help="Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH or ../shared/data/spec_bench/)")
+    p.add_argument("--max-tokens", type=int, default=256, help="max generated tokens per request (default: %(default)s)")
+    p.add_argument("--k", type=int, default=8, help="draft tokens per round for ngram and suffix (default: %(default)s)")
+    p.add_argument("--suffix-min-token-prob", type=float, default=0.1, help="suffix_decoding_min_token_prob")
+    p.add_argument("--suffix-max-spec-factor", type=float, default=1.0, help="suffix_decoding_max_spec_factor")
+    p.add_argument("--lookahead", default="2,3,2", metavar="W,N,G", help="lookahead window, n-gram and guess sizes")
+    p.add_argument("--methods", default=",".join(METHODS), help="subset of %(default)s; plain is always run")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                   help="pack the target's and the draft's linear layers alike (default: %(default)s)")
+    p.add_argument("--out", type=Path, help="also write the JSON result to this file")
+    args = p.parse_args(argv)
+    if not 1 <= args.num_prompts <= len(CODE_BODIES):
+        p.error(f"--num-prompts must be in 1..{len(CODE_BODIES)}")
+    if args.max_tokens < 2 or args.k < 1 or args.threads < 1 or args.questions < 0:
+        p.error("need --max-tokens >= 2, --k >= 1, --threads >= 1 and --questions >= 0")
+    try:
+        args.window, args.ngram, args.guess = (int(x) for x in args.lookahead.split(","))
+    except ValueError:
+        p.error(f"--lookahead must be W,N,G (three integers), got {args.lookahead!r}")
+    args.method_list = ["plain"] + [m for m in args.methods.split(",") if m and m != "plain"]
+    unknown = set(args.method_list) - set(METHODS)
+    if unknown:
+        p.error(f"--methods: unknown {', '.join(sorted(unknown))}; valid: {', '.join(METHODS)}")
+    if args.questions:
+        args.question_file = args.question_file or spec_bench_path()
+        if not args.question_file.is_file():
+            p.error(f"question file not found: {args.question_file}")
+    return args
+
+
+def build_engines(args: argparse.Namespace, target: Any, max_model_len: int) -> dict[str, Any]:
+    from verispec.config import SpeculativeConfig
+    from verispec.engine.engine import Engine
+
+    configs = {
+        "ngram": dict(num_speculative_tokens=args.k),
+        "suffix": dict(num_speculative_tokens=args.k,
+                       suffix_decoding_min_token_prob=args.suffix_min_token_prob,
+                       suffix_decoding_max_spec_factor=args.suffix_max_spec_factor),
+        "lookahead": dict(num_speculative_tokens=args.ngram - 1, lookahead_window_size=args.window,
+                          lookahead_ngram_size=args.ngram, lookahead_guess_set_size=args.guess),
+    }
+    return {m: Engine(target, None if m == "plain" else SpeculativeConfig(method=m, **configs[m]),
+                      max_model_len=max_model_len) for m in args.method_list}
+
+
+def aggregate(runs: list[dict], methods: list[str]) -> dict:
+    from verispec.speculative.metrics import SpecMetrics
+
+    results: dict[str, dict] = {}
+    for method in methods:
+        results[method] = {}
+        for group in GROUPS:
+            sel = [r for r in runs if r["method"] == method
+                   and (r["group"] == group or (group == "repetitive" and r["group"] != "coding"))]
+            if not sel:
+                continue
+            plain_s = sum(r["decode_s"] for r in runs if r["method"] == "plain" and r["request"] in
+                          {s["request"] for s in sel})
+            metrics = SpecMetrics()
+            for r in sel:
+                metrics.merge(r["metrics"])
+            decode_s, tokens = sum(r["decode_s"] for r in sel), sum(r["decode_tokens"] for r in sel)
+            results[method][group] = {
+                "requests": len(sel),
+                "decode_tokens": tokens,
+                "decode_tok_s": tokens / decode_s if decode_s > 0 else None,
+                "speedup": plain_s / decode_s if decode_s > 0 else None,
+                "mean_acceptance_length": metrics.mean_acceptance_length,
+                "acceptance_rate": metrics.acceptance_rate,
+                "identical": sum(r["divergence"] is None for r in sel),
+            }
+    return results
+
+
+def fmt(v: float | None, spec: str = ".2f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def print_report(args: argparse.Namespace, results: dict, load: float) -> None:
+    print(f"## Code-editing workload: {args.target}, greedy, {args.max_tokens} max tokens, k={args.k}, "
+          f"lookahead W,N,G={args.lookahead}, {args.threads} threads, load average {load:.2f} at start\n")
+    print("| method | group | decode tok/s | speedup | mean acc len | acc rate | identical to plain |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for method, by_group in results.items():
+        for group, r in by_group.items():
+            print(f"| {method} | {group} | {fmt(r['decode_tok_s'])} | {fmt(r['speedup'])}x | "
+                  f"{fmt(r['mean_acceptance_length'])} | {fmt(r['acceptance_rate'])} | "
+                  f"{r['identical']}/{r['requests']} |")
+    print()
+
+
+def goals(results: dict) -> dict:
+    def speedup(method: str, group: str) -> float | None:
+        return results.get(method, {}).get(group, {}).get("speedup")
+
+    suffix, lookahead = speedup("suffix", "repetitive"), speedup("lookahead", "coding")
+    return {
+        "suffix_repetitive": {"speedup": suffix, "goal": GOAL_SUFFIX,
+                              "met": None if suffix is None else suffix >= GOAL_SUFFIX},
+        "suffix_vs_ngram": {g: None if speedup("suffix", g) is None or speedup("ngram", g) is None
+                            else speedup("suffix", g) >= speedup("ngram", g) for g in GROUPS},
+        "lookahead_coding": {"speedup": lookahead, "goal": GOAL_LOOKAHEAD,
+                             "met": None if lookahead is None else lookahead >= GOAL_LOOKAHEAD},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_start = machine_load(args.threads)
+    from verispec.models.loader import load_model
+
+    requests = workload(args.num_prompts)
+    if args.questions:
+        requests += coding_questions(args.question_file, args.questions)
+    log(f"loading target {args.target} ...")
+    target = load_model(args.target, progress=False, quantization=args.quantization)
+    prompts = [target.tokenizer.apply_chat_template(text) for _, text in requests]
+    max_model_len = max(len(p) for p in prompts) + args.max_tokens + args.k + 8
+    engines = build_engines(args, target, max_model_len)
+    methods = args.method_list
+
+    runs: list[dict] = []
+    for i, ((group, _), ids) in enumerate(zip(requests, prompts)):
+        order = methods[i % len(methods):] + methods[:i % len(methods)]
+        log(f"request {i + 1}/{len(requests)} ({group}, {len(ids)} prompt tokens)")
+        by_method = {}
+        for method in order:
+            r = run_one(engines[method], ids, args.max_tokens)
+            r.update(method=method, group=group, request=i)
+            by_method[method] = r
+            log(f"  {method:>10}: {r['decode_tokens'] + 1} tokens, decode {r['decode_s']:.2f} s, "
+                f"mean acc len {fmt(r['metrics'].mean_acceptance_length)}")
+        for method in methods:
+            by_method[method]["divergence"] = first_divergence(by_method[method]["output_ids"],
+                                                               by_method["plain"]["output_ids"])
+            runs.append(by_method[method])
+
+    results = aggregate(runs, methods)
+    print_report(args, results, load_start)
+    result = {"bench": "suffix", "target": args.target, "max_tokens": args.max_tokens, "k": args.k,
+              "lookahead": [args.window, args.ngram, args.guess], "threads": args.threads,
+              "requests": len(requests), "loadavg_start": load_start, "loadavg_end": os.getloadavg()[0],
+              "results": results, "goals": goals(results)}
+    line = json.dumps(result)
+    if args.out:
+        args.out.write_text(line + "\n")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Tree against chain speculation at equal target cost, on Spec-Bench questions.
+
+The same questions as ``verispec bench spec`` (half ``coding``, half alternating ``summarization`` /
+``rag``; chat template; batch 1). For each drafter (``draft_model``, ``ngram``) two shapes
+verify the same number of positions per round, ``--budget`` drafts + the last committed token:
+
+* chain: ``num_speculative_tokens = budget``;
+* tree: depth ``--depth``, branching ``--topk``, ``num_draft_tokens = budget`` (EAGLE-2
+  dynamic tree for ``draft_model``, a trie of earlier continuations for ``ngram``).
+
+Every engine runs on every question at every temperature in turn (the starting engine
+rotates), so machine drift hits all alike. T > 0 runs use one seed per question; their
+outputs differ between engines (only their distribution is the same), so tokens/s compares
+decode speed, not identical work. T = 0 outputs must be identical across engines.
+
+Figures per (drafter, shape, temperature): mean acceptance length (bonus included), decode
+tokens/s (output tokens after the first / (generate time - prefill)), mean tree size, and the
+measured c and alpha (``SpecMetrics.cost_model``). The issue's goal: the tree raises mean
+acceptance length by >= 20% over the chain and tokens/s by >= 10%. Prints a Markdown table
+and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verispec.bench.machine import log, machine_load
+from verispec.bench.presets.common import select_questions, spec_bench_path
+
+GOAL_LENGTH, GOAL_SPEED = 1.2, 1.1
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="verispec bench tree", description="Tree vs chain speculation at equal target cost.")
+    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--questions", type=Path, default=None,
+                   help="Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH or ../shared/data/spec_bench/)")
+    p.add_argument("--num-questions", type=int, default=10)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperatures", default="0,1", help="comma-separated (default: %(default)s)")
+    p.add_argument("--drafters", default="draft_model,ngram", help="comma-separated (default: %(default)s)")
+    p.add_argument("--budget", type=int, default=6, help="draft tokens verified per round (default: %(default)s)")
+    p.add_argument("--depth", type=int, default=3, help="tree depth (default: %(default)s)")
+    p.add_argument("--topk", type=int, default=2, help="tree branching (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+                   help="pack the target's and the draft's linear layers alike (default: %(default)s)")
+    p.add_argument("--out", type=Path, help="also write the JSON result here")
+    args = p.parse_args(argv)
+    args.temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    args.drafter_list = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    if not set(args.drafter_list) <= {"draft_model", "ngram"}:
+        p.error("--drafters: choose from draft_model, ngram")
+    if args.budget < args.depth or args.depth < 1 or args.topk < 2:
+        p.error("need budget >= depth >= 1 and topk >= 2")
+    args.questions = args.questions or spec_bench_path()
+    if not args.questions.is_file():
+        p.error(f"question file not found: {args.questions}")
+    return args
+
+
+def build_engines(args: argparse.Namespace, target: Any, max_len: int) -> dict[tuple[str, str], Any]:
+    from verispec.config import SpeculativeConfig
+    from verispec.engine.engine import Engine
+    from verispec.models.loader import load_model
+    from verispec.speculative.draft_model import DraftModelDrafter
+    from verispec.speculative.draft_tree import TreeDraftModelDrafter
+
+    # Fixed shapes (no adaptive controller): every round verifies budget + 1 positions either way.
+    chain = dict(num_speculative_tokens=args.budget, adaptive=False)
+    tree = dict(num_speculative_tokens=args.depth, speculative_eagle_topk=args.topk, num_draft_tokens=args.budget,
+                adaptive=False)
+    engines = {}
+    for name in args.drafter_list:
+        if name == "ngram":
+            for shape, kw in (("chain", chain), ("tree", tree)):
+                engines[(name, shape)] = Engine(target, SpeculativeConfig(method="ngram", **kw), max_model_len=max_len)
+            continue
+        draft = load_model(args.draft, device=target.model.device, dtype=target.model.dtype,
+                           quantization=args.quantization)
+        vocab = target.model.config.vocab_size
+        drafters = {"chain": DraftModelDrafter(draft, vocab, max_len),
+                    "tree": TreeDraftModelDrafter(draft, vocab, max_len, topk=args.topk, budget=args.budget,
+                                                  depth=args.depth)}
+        for shape, kw in (("chain", chain), ("tree", tree)):
+            config = SpeculativeConfig(method="draft_model", model=args.draft, **kw)
+            engines[(name, shape)] = Engine(target, config, max_model_len=max_len, drafter=drafters[shape])
+    return engines
+
+
+def run(engines: dict, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    from verispec.config import SamplingParams
+    from verispec.speculative.metrics import SpecMetrics
+
+    keys = list(engines)
+    stats = {(k, t): {"metrics": SpecMetrics(), "tokens": 0, "seconds": 0.0, "outputs": []}
+             for k in keys for t in args.temps}
+    for qi, ids in enumerate(prompts):
+        for temp in args.temps:
+            params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=qi)
+            for j in range(len(keys)):
+                key = keys[(qi + j) % len(keys)]
+                engine = engines[key]
+                t0 = time.perf_counter()
+                seq = engine.generate(ids, params)
+                wall = time.perf_counter() - t0
+                s = stats[(key, temp)]
+                s["metrics"].merge(seq.metrics)
+                s["tokens"] += len(seq.output_ids) - 1
+                s["seconds"] += wall - seq.metrics.prefill_time_s
+                s["outputs"].append(seq.output_ids)
+                log(f"q{qi} T={temp} {key[0]} {key[1]}: {len(seq.output_ids)} tokens, "
+                    f"mal {seq.metrics.mean_acceptance_length:.2f}")
+    return stats
+
+
+def summarize(stats: dict, args: argparse.Namespace) -> dict:
+    rows = {}
+    for ((name, shape), temp), s in stats.items():
+        m = s["metrics"]
+        _, c, alpha = m.cost_model()
+        rows[f"{name}/{shape}/T={temp:g}"] = {
+            "drafter": name, "shape": shape, "temperature": temp,
+            "mean_acceptance_length": m.mean_acceptance_length,
+            "tokens_per_s": s["tokens"] / s["seconds"] if s["seconds"] else None,
+            "mean_tree_size": m.summary()["mean_tree_size"], "accepted_depth_counts": m.accepted_depth_counts,
+            "c": c, "alpha": alpha,
+        }
+    for name in args.drafter_list:
+        for temp in args.temps:
+            ch, tr = rows[f"{name}/chain/T={temp:g}"], rows[f"{name}/tree/T={temp:g}"]
+            tr["length_vs_chain"] = _ratio(tr["mean_acceptance_length"], ch["mean_acceptance_length"])
+            tr["speed_vs_chain"] = _ratio(tr["tokens_per_s"], ch["tokens_per_s"])
+            if temp == 0:
+                tr["identical_to_chain"] = stats[((name, "tree"), temp)]["outputs"] == \
+                    stats[((name, "chain"), temp)]["outputs"]
+    return rows
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def print_report(rows: dict, args: argparse.Namespace, load: float) -> None:
+    def f(v: Any, spec: str = ".2f") -> str:
+        return "n/a" if v is None else format(v, spec)
+
+    print(f"\nTree ({args.depth} deep, top-{args.topk}, {args.budget} nodes) vs chain ({args.budget} drafts), "
+          f"{args.num_questions} questions, <= {args.max_tokens} tokens, load before start {load:.2f}\n")
+    print("| run | mean acceptance length | tokens/s | tree size | c | alpha | length vs chain | speed vs chain |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for key, r in rows.items():
+        print(f"| {key} | {f(r['mean_acceptance_length'])} | {f(r['tokens_per_s'])} | {f(r['mean_tree_size'], '.1f')} "
+              f"| {f(r['c'])} | {f(r['alpha'])} | {f(r.get('length_vs_chain'))} | {f(r.get('speed_vs_chain'))} |")
+    met = [k for k, r in rows.items() if (r.get("length_vs_chain") or 0) >= GOAL_LENGTH
+           and (r.get("speed_vs_chain") or 0) >= GOAL_SPEED]
+    print(f"\ngoal (length >= {GOAL_LENGTH}x and tokens/s >= {GOAL_SPEED}x the chain) met by: {', '.join(met) or 'none'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load = machine_load(args.threads)
+    from verispec.models.loader import load_model
+
+    target = load_model(args.target, dtype=torch.bfloat16, quantization=args.quantization)
+    questions = select_questions(args.questions, args.num_questions)
+    prompts = [target.tokenizer.apply_chat_template(q["turns"][0]) for q in questions]
+    max_len = max(len(p) for p in prompts) + args.max_tokens + args.budget + 2
+    engines = build_engines(args, target, max_len)
+    rows = summarize(run(engines, args, prompts), args)
+    print_report(rows, args, load)
+    result = {"args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list))},
+              "load": load, "rows": rows}
+    line = json.dumps(result)
+    print(line)
+    if args.out:
+        args.out.write_text(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""``draft_model``: a separate small model with its own KV cache drafts autoregressively.
+
+Draft cache bookkeeping for one round, with ``L0`` committed tokens before the round::
+
+    cache holds      ids[:c]                 (c < L0: whatever it has not seen yet is fed now)
+    propose k        feed ids[c:L0] -> q_1, d_1; feed d_1 -> q_2, d_2; ... feed d_{k-1} -> q_k, d_k
+    cache holds      ids[:L0] + d_1..d_{k-1}  (d_k is never fed)
+    a accepted       committed = d_1..d_a + x; keep ids[:L0] + d_1..d_min(a, k-1)
+
+When all k drafts are accepted, d_k and the bonus token are both missing from the cache; the next
+round feeds them together in its first forward, so catching up costs no extra pass. The same
+catch-up reads the prompt on a request's first drafting round (``start`` reads nothing), and
+whatever was committed during rounds that drafted nothing.
+
+The draft samples from q = logits_to_probs(draft logits) with the request's own sampling
+settings and generator, and returns q with the tokens, so verification stays exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from verispec.config import SpeculativeConfig
+from verispec.engine.sequence import Sequence
+from verispec.models.decoder import PREFILL_MIN_TOKENS
+from verispec.sampling import logits_to_probs, sample
+from verispec.speculative.base import DrafterContext, Outcome, Proposal, register_drafter
+from verispec.speculative.cost_model import relative_time
+
+if TYPE_CHECKING:
+    from verispec.models.loader import LoadedModel
+
+
+def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raise if the draft's token ids do not mean the same strings as the target's."""
+    t_vocab, d_vocab = target.tokenizer.hf.get_vocab(), draft.tokenizer.hf.get_vocab()
+    if t_vocab != d_vocab:
+        only_t = len(t_vocab.keys() - d_vocab.keys())
+        only_d = len(d_vocab.keys() - t_vocab.keys())
+        moved = sum(1 for tok, i in d_vocab.items() if t_vocab.get(tok, i) != i)
+        raise ValueError(
+            f"draft model {draft.name!r} has a vocabulary incompatible with the target "
+            f"{target.name!r}: {only_t} tokens only in the target, {only_d} only in the draft, "
+            f"{moved} with different ids. Pick a draft that shares the target's tokenizer."
+        )
+
+
+# Catch-up passes over generated tokens are short, like the target's verify passes (they are not
+# marked as a prefill, so this is not needed for exactness, only to keep them cheap to compile).
+DECODE_CHUNK = PREFILL_MIN_TOKENS - 1
+
+
+class DraftModelDrafter:
+    def __init__(self, draft: LoadedModel, target_vocab: int, max_model_len: int, num_slots: int = 1) -> None:
+        self.model = draft.model
+        self.target_vocab = target_vocab
+        self.cache = self.model.new_cache(max_model_len, num_slots=num_slots)
+        self._round_start: dict[int, tuple[int, int]] = {}  # slot -> (L0, k) of the last proposal
+
+    def start(self, seq: Sequence) -> None:
+        """Read nothing yet: the first :meth:`propose` feeds the draft everything it has not
+        seen (the prompt included) in one pass. A request that never drafts (speculation off
+        for it, or k = 0 whenever it runs, as in a large batch) never pays the draft's prefill."""
+        self.cache.reset(seq.slot)
+
+    def catch_up(self, seq: Sequence) -> None:
+        """Read what the draft has not seen, except the last committed token, in the passes the
+        target used: the prompt in one (its prefill), generated tokens in passes short enough to
+        stay on the decode path (their rows equal one-token steps bitwise). So the draft's cache
+        matches what reading the tokens one round at a time would have built; drafting with the
+        target itself then reproduces the target exactly."""
+        slot = seq.slot
+        start, stop = self.cache.length(slot), seq.num_tokens - 1
+        if stop - start <= 1:
+            return  # a usual round: its first forward feeds the (at most two) new tokens together
+        ids = seq.token_ids
+        bounds = [len(seq.prompt_ids)] if start < len(seq.prompt_ids) < stop else []
+        bounds += list(range(max(start, len(seq.prompt_ids)) + DECODE_CHUNK, stop, DECODE_CHUNK)) + [stop]
+        for end in bounds:
+            if end > start:
+                # the prompt in one pass from the start, as the target's prefill read it
+                self._forward(slot, ids[start:end], prefill=start == 0 and end == len(seq.prompt_ids))
+                start = end
+
+    def propose(self, seq: Sequence, k: int) -> Proposal:
+        self.catch_up(seq)
+        ids = seq.token_ids
+        feed = ids[self.cache.length(seq.slot):]  # the last committed token (and a bonus one)
+        p = seq.params
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self._forward(seq.slot, feed)  # [V_target]
+            if p.greedy:
+                tok = int(logits.argmax())
+            else:
+                q = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [V_target]
+                tok = int(sample(q, seq.generator))
+                probs.append(q)
+            tokens.append(tok)
+            feed = [tok]
+        self._round_start[seq.slot] = (len(ids), k)
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def feedback(self, seq: Sequence, outcome: Outcome) -> None:
+        round_start = self._round_start.pop(seq.slot, None)
+        if round_start is None:
+            return  # the engine asked for no drafts this round; the next propose catches up
+        start, k = round_start
+        self.cache.truncate(seq.slot, start + min(outcome.num_accepted, k - 1))
+
+    def finish(self, seq: Sequence) -> None:
+        self._round_start.pop(seq.slot, None)
+        self.cache.reset(seq.slot)
+
+    CALIBRATION_READS = (32, 64, 128, 256)  # prompt lengths timed by :meth:`calibrate`
+    CALIBRATION_RESUMES = (8, 16, 32, DECODE_CHUNK)  # catch-ups on generated tokens timed by it
+
+    def calibrate(self, slot: int, token: int, reference: Callable[[], object]
+                  ) -> tuple[float, list[tuple[int, float]], list[tuple[int, float]]]:
+        """Warm timings for a cost model, each in runs of ``reference`` (the target's decode
+        step) timed just before it (:func:`~verispec.speculative.cost_model.relative_time`): (a draft
+        step, [(prompt length, time to read it)], [(generated tokens, time to catch up on
+        them)]). A prompt is read in one pass, generated tokens in the decode-sized passes of
+        :meth:`catch_up`. Leaves ``slot`` empty."""
+        room = self.cache.max_len - 4  # a read, then the step's four single-token passes
+
+        def read(length: int) -> None:
+            self.cache.reset(slot)
+            self._forward(slot, [token] * length, prefill=True)
+
+        reads = [(n, relative_time(lambda: read(n), reference))
+                 for n in [n for n in self.CALIBRATION_READS if n <= room] or [max(room, 1)]]
+        step = relative_time(lambda: self._forward(slot, [token]), reference)  # after the last read
+        context = min(self.CALIBRATION_READS[0], room // 2)
+        read(context)
+
+        def resume(length: int) -> None:
+            self._forward(slot, [token] * length)
+            self.cache.truncate(slot, context)
+
+        resumes = [(n, relative_time(lambda: resume(n), reference))
+                   for n in self.CALIBRATION_RESUMES if context + n <= room]
+        self.cache.reset(slot)
+        return step, reads, resumes
+
+    def _forward(self, slot: int, tokens: list[int], prefill: bool = False) -> torch.Tensor:
+        """Feed ``tokens``; return the next-token logits over the target's vocabulary [V_target]."""
+        start = self.cache.length(slot)
+        device = self.model.device
+        ids = torch.tensor([tokens], device=device)  # [1, T]
+        positions = torch.arange(start, start + len(tokens), device=device)[None]  # [1, T]
+        logits = self.model(ids, positions, self.cache, slots=[slot], num_logits=1, prefill=prefill)[0, -1]  # [V_draft]
+        return self._align_vocab(logits)
+
+    def _align_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V_draft] -> [..., V_target].
+
+        Embedding tables are often padded past the tokenizer; align with the target's size.
+        Draft-only ids get -inf, so q (and hence what is sampled) never includes them.
+        """
+        if logits.shape[-1] >= self.target_vocab:
+            return logits[..., : self.target_vocab]
+        pad = logits.new_full((*logits.shape[:-1], self.target_vocab - logits.shape[-1]), float("-inf"))
+        return torch.cat((logits, pad), dim=-1)
+
+
+@register_drafter("draft_model")
+def make_draft_model_drafter(config: SpeculativeConfig, context: DrafterContext) -> DraftModelDrafter:
+    if not config.model:
+        raise ValueError('method "draft_model" needs "model": a bundled name, HF directory or .gguf path')
+    from verispec.models.loader import load_model  # the loader pulls in transformers; load lazily
+
+    target = context.target
+    draft = load_model(config.model, device=target.model.device, dtype=target.model.dtype,
+                       quantization=config.quantization)
+    return draft_model_drafter(draft, config, context)
+
+
+def draft_model_drafter(draft: LoadedModel, config: SpeculativeConfig,
+                        context: DrafterContext) -> DraftModelDrafter:
+    """The chain or tree drafter that ``config`` asks for, over an already loaded draft model.
+
+    Callers that run several configurations on one draft model (the benchmark harness) load it
+    once and build each drafter here; every drafter keeps its own KV cache.
+    """
+    check_vocab_compatible(context.target, draft)
+    vocab = context.target.model.config.vocab_size
+    if config.is_tree:
+        from verispec.speculative.draft_tree import TreeDraftModelDrafter
+
+        return TreeDraftModelDrafter(
+            draft, vocab, context.max_model_len, topk=config.speculative_eagle_topk, budget=config.tree_budget,
+            children=config.tree_children, choices=config.speculative_token_tree,
+            depth=config.num_speculative_tokens, num_slots=context.max_num_seqs,
+        )
+    return DraftModelDrafter(draft, vocab, context.max_model_len, context.max_num_seqs)
