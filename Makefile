@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring.
 
 .PHONY: setup demo test test-long test-fast bench-decode bench-spec bench-report bench-adaptive bench-suffix \
-	bench-tree bench-batch bench-server clean
+	bench-tree bench-batch bench-server bench-kernels clean
 
 setup: $(VENV)/.installed
 
@@ -43,7 +43,12 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not long"
 
 bench-decode: setup
-	$(PY) benchmarks/bench_decode.py
+	$(VENV)/bin/verispec bench decode
+
+# The native kernels: per-shape cost against rows, a verify pass against a decode step
+# (docs/kernels.md).
+bench-kernels: setup
+	$(VENV)/bin/verispec bench kernels
 
 # The benchmark presets (`verispec bench --help` lists them), with the settings of the reports
 # in docs/benchmarks/. The two long reports take hours each on a 2-core CPU: Ctrl-C writes a

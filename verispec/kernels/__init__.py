@@ -167,6 +167,18 @@ def repack(fmt: int, raw: np.ndarray | Tensor, n: int, k: int) -> PackedWeight:
     return PackedWeight(fmt, n, k, _lib().repack(fmt, data, n, k))
 
 
+def concat(weights: list[PackedWeight]) -> list[PackedWeight]:
+    """The same product with adjacent weights of one format joined into one (tiles are
+    independent, so joining is concatenating): fewer calls for a fused q/k/v or gate/up."""
+    out: list[PackedWeight] = []
+    for w in weights:
+        if out and out[-1].fmt == w.fmt and out[-1].k == w.k:
+            last = out.pop()
+            w = PackedWeight(w.fmt, last.n + w.n, w.k, torch.cat((last.data, w.data)))
+        out.append(w)
+    return out
+
+
 def dequantize(w: PackedWeight) -> Tensor:
     """The float32 weight [n, k] the kernels multiply by (equal to gguf's dequantization)."""
     return _lib().dequantize(w.fmt, w.data, w.n, w.k)

@@ -37,6 +37,7 @@ class NativeLinear(nn.Module):
     def __init__(self, parts: list[PackedWeight], bias: Tensor | None, dense: Tensor | None,
                  float_output: bool = False) -> None:
         super().__init__()
+        parts = kernels.concat(parts)
         self.parts = parts
         self.float_output = float_output  # the LM head: logits stay float32, never rounded to bf16
         self.in_features = parts[0].k
@@ -54,7 +55,8 @@ class NativeLinear(nn.Module):
 
     def dense_forward(self, x: Tensor) -> Tensor:
         """A prefill pass through the dense bf16 copy (see the module docstring)."""
-        y = nn.functional.linear(x.reshape(-1, self.in_features).to(self.dense.dtype), self.dense, self.bias)
+        bias = None if self.bias is None else self.bias.to(self.dense.dtype)
+        y = nn.functional.linear(x.reshape(-1, self.in_features).to(self.dense.dtype), self.dense, bias)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> Tensor:

@@ -39,6 +39,14 @@ PRESETS: dict[str, Preset] = {
                     "batched plain decode steps, no prefill, per batch size (docs/benchmarks/server.md)"),
     "server": Preset("verispec.bench.presets.server:main",
                      "load test of verispec serve, speculation on against off (docs/benchmarks/server.md)"),
+    "kernels": Preset("verispec.bench.presets.kernels:main",
+                      "native kernels: verify pass against decode step, per shape and model (docs/kernels.md)"),
+    "decode": Preset("verispec.bench.presets.decode:main",
+                     "plain greedy decoding against transformers on the same GGUF (docs/benchmarks/decode.md)"),
+    "quant": Preset("verispec.bench.presets.quant:main",
+                    "packed weights' decode speed and verify cost, llama.cpp beside (docs/benchmarks/quant.md)"),
+    "quant-accuracy": Preset("verispec.bench.presets.quant_accuracy:main",
+                             "int8/int4 agreement with the bf16 model (docs/benchmarks/quant.md)"),
 }
 
 

@@ -85,10 +85,15 @@ static void rows_block(const Unpacked& u, const QActs& a, int64_t s, float* acc,
     dx[r] = a.dx + m * (a.k / kActBlock) + s * (KB / kActBlock);
     y[r] = _mm512_loadu_ps(acc + m * kTile);
   }
+  // With few rows, each row's sum runs in P partial chains (groups g % P), added at the end:
+  // integer sums, so the split cannot change a result, and the chains overlap their latency.
+  constexpr int P = R == 1 ? 4 : R < 4 ? 2 : 1;
   for (int j = 0; j < NSUB; ++j) {
-    __m512i isum[R];
+    __m512i part[P][R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) isum[r] = _mm512_setzero_si512();
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) part[p][r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
     for (int g = j * GPS; g < (j + 1) * GPS; ++g) {
       const __m512i w = _mm512_load_si512(u.w + 64 * g);
       __mmask64 neg = 0;
@@ -99,8 +104,14 @@ static void rows_block(const Unpacked& u, const QActs& a, int64_t s, float* acc,
         std::memcpy(&x4, xq[r] + 4 * g, 4);
         __m512i x = _mm512_set1_epi32(x4);
         if (SIGNED) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
-        isum[r] = _mm512_dpbusd_epi32(isum[r], w, x);
+        part[g % P][r] = _mm512_dpbusd_epi32(part[g % P][r], w, x);
       }
+    }
+    __m512i isum[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      isum[r] = part[0][r];
+      for (int p = 1; p < P; ++p) isum[r] = _mm512_add_epi32(isum[r], part[p][r]);
     }
     const __m512 dl = _mm512_load_ps(u.dl[j]);
 #pragma GCC unroll 8

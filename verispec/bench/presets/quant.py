@@ -22,7 +22,7 @@ output layer is tied to it.
 T_target(1) and the verify cost alpha = (T_target(k+1) / T_target(1) - 1) / k of the draft
 model quantized the same way, by timing single forwards at a fixed context.
 
-    python benchmarks/bench_quant.py --max-tokens 64 --repeats 2 --pair qwen2.5-coder-0.5b-instruct
+    verispec bench quant --max-tokens 64 --repeats 2 --pair qwen2.5-coder-0.5b-instruct
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import time
 from typing import Any
 
 import torch
-from bench_decode import read_bandwidth, run_ours, timing  # benchmarks/bench_decode.py
-from common import log, machine_load  # benchmarks/common.py
 
+from verispec.bench.machine import log, machine_load
+from verispec.bench.presets.decode import read_bandwidth, run_ours, timing
 from verispec.engine.engine import Engine
 from verispec.models.compile import compile_decoder
 from verispec.models.loader import load_model, read_gguf_header
@@ -48,8 +48,8 @@ VARIANTS = ("bf16", "bf16-compiled", "int8", "int4", "llama.cpp")
 QUANT = {"bf16": "none", "bf16-compiled": "none", "int8": "int8", "int4": "int4"}
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="verispec bench quant", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from {', '.join(VARIANTS)}")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -58,7 +58,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bandwidth-gib", type=float, default=2.0)
     p.add_argument("--pair", default=None, metavar="DRAFT", help="also measure c and alpha with this draft model")
     p.add_argument("--k", type=int, default=4, help="verify width for alpha (default 4)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.variants = args.variants.split(",")
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
@@ -128,8 +128,8 @@ def load_variant(name: str, spec: str) -> Any:
     return loaded
 
 
-def main() -> int:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     threads = set_threads(args.threads)
     load = machine_load(threads)
     bw = read_bandwidth(args.bandwidth_gib, trials=3)["gb_s"]
@@ -202,5 +202,3 @@ def print_report(args, threads, load, bw, runs, bytes_per_token, costs, compile_
                       "rows": {n: {k: v for k, v in r.items() if k != "output_ids"} for n, r in rows.items()}}))
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())

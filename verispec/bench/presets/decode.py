@@ -59,6 +59,7 @@ GOAL_ROOFLINE = 0.75  # achieved / measured bandwidth
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        prog="verispec bench decode",
         description="Benchmark plain greedy decoding: verispec's engine vs transformers on the same GGUF.",
     )
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
@@ -359,5 +360,3 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,7 +14,7 @@ The bf16 model's chunks are run as prefill passes, so on CPUs without native bf1
 matmuls compute in float32 (see ``PREFILL_MIN_TOKENS``); the quantized models' chunks run as
 decode passes, through their packed kernels, so what is scored is the model that decodes.
 
-    python benchmarks/bench_quant_accuracy.py --models smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct
+    verispec bench quant-accuracy --models smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import torch.nn.modules.linear
-from common import log, machine_load  # benchmarks/common.py
 
+from verispec.bench.machine import log, machine_load
 from verispec.models.loader import load_model
 from verispec.models.quant import is_quantized
 from verispec.runtime import set_threads
@@ -65,15 +65,15 @@ def score(model, ids: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.cat(top), torch.cat(nll)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="verispec bench quant-accuracy", description=__doc__.splitlines()[0])
     p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct")
     p.add_argument("--tokens", type=int, default=2000, help="teacher-forced tokens per model (default 2000)")
     p.add_argument("--chunk", type=int, default=500, help="positions per forward (default 500)")
     p.add_argument("--group-size", type=int, default=32, help="int4 group size (default 32)")
     p.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
     p.add_argument("--threads", type=int, default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not args.questions.is_file():
         p.error(f"question file not found: {args.questions}; pass --questions PATH to Spec-Bench's question.jsonl")
     threads = set_threads(args.threads)
@@ -107,5 +107,3 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
