@@ -181,4 +181,4 @@ def test_builder_makes_tree_drafters_and_loads_each_draft_once_per_quantization(
     drafters = [builder.build(s).engine.drafter for s in specs[1:]]
     assert type(drafters[0]) is DraftModelDrafter
     assert isinstance(drafters[1], TreeDraftModelDrafter)
-    assert calls == [("d", "none"), ("d", "int8")]
+    assert calls == [("d", "auto"), ("d", "int8")]  # "auto": the default, a GGUF draft on the native kernels
