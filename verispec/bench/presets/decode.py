@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log(f"loading {args.model} in verispec ...")
     t0 = time.perf_counter()
-    loaded = load_model(args.model, dtype=dtype)
+    loaded = load_model(args.model, dtype=dtype, quantization="none")  # transformers' weights: dense
     ours_load_s = time.perf_counter() - t0
     prompt_ids = loaded.tokenizer.apply_chat_template(args.prompt)
     engine = Engine(loaded, None, max_model_len=len(prompt_ids) + n + 8)

@@ -2,6 +2,7 @@
 
 Variants (``--variants``, run in turn, round after round, so machine drift hits all alike):
 
+* ``gguf``          -- the file's own quantized weights on the native kernels (the default);
 * ``bf16``          -- the dense bf16 decoder, eager;
 * ``bf16-compiled`` -- the same with ``torch.compile`` on the decode/verify steps;
 * ``int8`` / ``int4`` -- packed weight-only layers (:mod:`verispec.models.quant`);
@@ -44,8 +45,8 @@ from verispec.models.registry import resolve_model
 from verispec.runtime import set_threads
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, with tests."
-VARIANTS = ("bf16", "bf16-compiled", "int8", "int4", "llama.cpp")
-QUANT = {"bf16": "none", "bf16-compiled": "none", "int8": "int8", "int4": "int4"}
+VARIANTS = ("gguf", "bf16", "bf16-compiled", "int8", "int4", "llama.cpp")
+QUANT = {"gguf": "gguf", "bf16": "none", "bf16-compiled": "none", "int8": "int8", "int4": "int4"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

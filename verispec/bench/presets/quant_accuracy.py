@@ -31,13 +31,12 @@ import torch.nn.functional as F
 import torch.nn.modules.linear
 
 from verispec.bench.machine import log, machine_load
+from verispec.bench.workloads import SPEC_BENCH_ENV, SPEC_BENCH_RELATIVE, spec_bench_path
 from verispec.models.loader import load_model
 from verispec.models.quant import is_quantized
 from verispec.runtime import set_threads
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared/data/spec_bench/question.jsonl"
-SCHEMES = ("int8", "int4")
+SCHEMES = ("gguf", "int8", "int4")
 
 
 def fixed_text(questions: Path) -> tuple[str, str]:
@@ -71,9 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=2000, help="teacher-forced tokens per model (default 2000)")
     p.add_argument("--chunk", type=int, default=500, help="positions per forward (default 500)")
     p.add_argument("--group-size", type=int, default=32, help="int4 group size (default 32)")
-    p.add_argument("--questions", type=Path, default=DEFAULT_QUESTIONS, help="Spec-Bench question.jsonl")
+    p.add_argument("--questions", type=Path, default=None,
+                   help=f"Spec-Bench question.jsonl (default: ${SPEC_BENCH_ENV}, else {SPEC_BENCH_RELATIVE})")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
+    if args.questions is None:
+        args.questions = spec_bench_path()
     if not args.questions.is_file():
         p.error(f"question file not found: {args.questions}; pass --questions PATH to Spec-Bench's question.jsonl")
     threads = set_threads(args.threads)
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     prose, code = fixed_text(args.questions)
     rows = []
     for name in args.models.split(","):
-        ref_model = load_model(name, progress=False)
+        ref_model = load_model(name, quantization="none", progress=False)
         ids = token_ids(ref_model, prose, code, args.tokens)
         t0 = time.perf_counter()
         ref_top, ref_nll = score(ref_model.model, ids, args.chunk)
