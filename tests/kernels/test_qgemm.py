@@ -91,6 +91,20 @@ def test_fused_parts_equal_their_separate_products():
     assert torch.equal(fused, torch.cat([kernels.matmul(x, [p]) for p in parts], dim=1))
 
 
+def test_bias_bf16_input_and_bf16_output_are_the_float32_path_rounded():
+    """The fused epilogue adds the bias in float32 and rounds once, as torch's casts would."""
+    n, k = 48, 256
+    parts = [kernels.repack(FORMATS[f], random_blocks(f, 16 * i, k, seed=i), 16 * i, k)
+             for i, f in ((1, "Q4_K"), (2, "Q6_K"))]
+    x = torch.randn(5, k).to(torch.bfloat16)
+    bias = torch.randn(n)
+    plain = kernels.matmul(x.float(), parts)
+    assert torch.equal(kernels.matmul(x, parts), plain)
+    got = kernels.matmul(x, parts, bias=bias, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, (plain + bias).to(torch.bfloat16))
+
+
 def test_zero_and_tiny_rows():
     n, k = 16, 256
     w = kernels.repack(FORMATS["Q4_K"], random_blocks("Q4_K", n, k), n, k)

@@ -184,28 +184,23 @@ def dequantize(w: PackedWeight) -> Tensor:
     return _lib().dequantize(w.fmt, w.data, w.n, w.k)
 
 
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row activation quantization: (q int8 [M, K], dx float32 [M, K/32], bs int16 [M, K/16])."""
-    return tuple(_lib().quantize_rows(x.float().contiguous()))
+def matmul(x: Tensor, weights: list[PackedWeight], isa: str | None = None, *, bias: Tensor | None = None,
+           out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """``x [M, K]`` (float32 or bfloat16) times the weights stacked along the output dim, plus
+    ``bias`` (float32) if given: ``[M, sum n]`` in ``out_dtype`` (float32 or bfloat16).
 
-
-def matmul(x: Tensor, weights: list[PackedWeight], isa: str | None = None) -> Tensor:
-    """``x [M, K]`` times the weights stacked along the output dim: float32 ``[M, sum n]``.
-
-    Activations are quantized once, for all the weights. ``isa`` forces a path
-    (``scalar``, ``avx2``, ``avx512``; tests use it); None picks the best this CPU runs.
+    Activations are quantized once, for all the weights, and one parallel region covers all
+    their tiles. ``isa`` forces a path (``scalar``, ``avx2``, ``avx512``; tests use it); None
+    picks the best this CPU runs.
     """
-    lib = _lib()
     if x.dim() != 2:
         raise KernelError(f"matmul takes x [M, K], got shape {tuple(x.shape)}")
     k = x.shape[1]
     if any(w.k != k for w in weights):
         raise KernelError(f"input has {k} features but a weight takes {[w.k for w in weights]}")
-    code = -1 if isa is None else ISAS[isa]
-    q, dx, bs = lib.quantize_rows(x.float().contiguous())
-    out = torch.empty(x.shape[0], sum(w.n for w in weights), dtype=torch.float32)
-    col = 0
-    for w in weights:
-        lib.gemm(w.fmt, w.data, w.n, w.k, q, dx, bs, out, col, code)
-        col += w.n
-    return out
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise KernelError(f"the kernels write float32 or bfloat16, not {out_dtype}")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    return _lib().linear(x, [w.fmt for w in weights], [w.data for w in weights], [w.n for w in weights],
+                         bias, out_dtype == torch.bfloat16, -1 if isa is None else ISAS[isa])

@@ -48,9 +48,8 @@ class NativeLinear(nn.Module):
         self.register_buffer("dense", dense, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = kernels.matmul(x.reshape(-1, self.in_features), self.parts)  # [M, N] float32
-        if self.bias is not None:
-            y += self.bias
+        out_dtype = torch.float32 if self.float_output or x.dtype != torch.bfloat16 else torch.bfloat16
+        y = kernels.matmul(x.reshape(-1, self.in_features), self.parts, bias=self.bias, out_dtype=out_dtype)
         return (y if self.float_output else y.to(x.dtype)).view(*x.shape[:-1], self.out_features)
 
     def dense_forward(self, x: Tensor) -> Tensor:

@@ -96,48 +96,80 @@ torch::Tensor dequantize(int64_t fmt, torch::Tensor packed, int64_t n, int64_t k
   return out;
 }
 
-// x: float32 [M, K] -> (q int8 [M, K], dx float32 [M, K / 32], bs int16 [M, K / 16]).
+// x: float32 or bfloat16 [M, K] -> (q int8 [M, K], dx float32 [M, K / 32], bs int16 [M, K / 16]).
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.dtype() == torch::kFloat32, "activations must be float32 [M, K]");
-  const int64_t kb = kActBlock;
+  TORCH_CHECK(x.dim() == 2 && (x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16),
+              "activations must be float32 or bfloat16 [M, K]");
   x = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(k % kb == 0, "input features ", k, " are not a multiple of the block ", kb);
+  TORCH_CHECK(k % kActBlock == 0, "input features ", k, " are not a multiple of ", kActBlock);
   auto q = torch::empty({m, k}, torch::kInt8);
-  auto dx = torch::empty({m, k / kb}, torch::kFloat32);
+  auto dx = torch::empty({m, k / kActBlock}, torch::kFloat32);
   auto bs = torch::empty({m, k / 16}, torch::kInt16);
-  for (int64_t i = 0; i < m; ++i)
-    quantize_row(x.data_ptr<float>() + i * k, k, q.data_ptr<int8_t>() + i * k,
-                 dx.data_ptr<float>() + i * (k / kb), bs.data_ptr<int16_t>() + i * (k / 16));
+  std::vector<float> row(x.dtype() == torch::kBFloat16 ? k : 0);
+  for (int64_t i = 0; i < m; ++i) {
+    const float* xr;
+    if (x.dtype() == torch::kBFloat16) {  // bf16 -> float32 is exact
+      const at::BFloat16* src = x.data_ptr<at::BFloat16>() + i * k;
+      for (int64_t j = 0; j < k; ++j) row[j] = static_cast<float>(src[j]);
+      xr = row.data();
+    } else {
+      xr = x.data_ptr<float>() + i * k;
+    }
+    quantize_row(xr, k, q.data_ptr<int8_t>() + i * k, dx.data_ptr<float>() + i * (k / kActBlock),
+                 bs.data_ptr<int16_t>() + i * (k / 16));
+  }
   return {q, dx, bs};
 }
 
-// out[:, col0 : col0 + N] = x @ W.T, with x given quantized (quantize_rows).
-void gemm(int64_t fmt, torch::Tensor packed, int64_t n, int64_t k, torch::Tensor q, torch::Tensor dx,
-          torch::Tensor bs, torch::Tensor out, int64_t col0, int64_t isa) {
-  const FormatInfo f = info_or_throw(fmt);
-  check_packed(f, packed, n, k);
-  const int64_t m = q.size(0);
-  TORCH_CHECK(q.dim() == 2 && q.size(1) == k && q.dtype() == torch::kInt8 && q.is_contiguous(), "bad q");
-  TORCH_CHECK(dx.dtype() == torch::kFloat32 && dx.is_contiguous() && dx.numel() == m * (k / kActBlock), "bad dx");
-  TORCH_CHECK(bs.dtype() == torch::kInt16 && bs.is_contiguous() && bs.numel() == m * (k / 16), "bad bs");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == m && out.dtype() == torch::kFloat32 && out.stride(1) == 1 &&
-                  col0 >= 0 && col0 + n <= out.size(1),
-              "out must be float32 [M, >= col0 + N] with unit column stride");
+// y = x @ W.T (+ bias) for W the packed parts stacked along the output dim: [M, sum n], float32
+// or, with out_bf16, rounded to bfloat16 (to nearest even, as torch's cast). The activations are
+// quantized once and all parts' tiles share one parallel region, split in contiguous ranges.
+torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<torch::Tensor> packed,
+                     std::vector<int64_t> ns, c10::optional<torch::Tensor> bias, bool out_bf16, int64_t isa) {
+  TORCH_CHECK(!fmts.empty() && fmts.size() == packed.size() && fmts.size() == ns.size(), "parts do not match");
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  const int64_t m = x.size(0), k = x.size(1);
+  struct Part { FormatInfo f; int fmt; const uint8_t* w; int64_t tile0, col0; };
+  std::vector<Part> parts;
+  int64_t tiles = 0, cols = 0;
+  for (size_t i = 0; i < fmts.size(); ++i) {
+    const FormatInfo f = info_or_throw(fmts[i]);
+    check_packed(f, packed[i], ns[i], k);
+    parts.push_back({f, (int)fmts[i], packed[i].data_ptr<uint8_t>(), tiles, cols});
+    tiles += ns[i] / kTile;
+    cols += ns[i];
+  }
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == cols,
+                "bias must be float32 [", cols, "]");
+    b = bias->data_ptr<float>();
+  }
+  const auto acts = quantize_rows(x);
+  const QActs a{acts[0].data_ptr<int8_t>(), acts[1].data_ptr<float>(), acts[2].data_ptr<int16_t>(), m, k};
+  auto out = torch::empty({m, cols}, out_bf16 ? torch::kBFloat16 : torch::kFloat32);
   const SuperblockFn fn = kernel_for(isa < 0 ? best_isa() : (int)isa);
-  const QActs a{q.data_ptr<int8_t>(), dx.data_ptr<float>(), bs.data_ptr<int16_t>(), m, k};
-  const int64_t nsb = k / f.kb, ldo = out.stride(0);
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  float* y = out.data_ptr<float>() + col0;
-  at::parallel_for(0, n / kTile, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc((size_t)m * kTile);
+    size_t p = 0;
     for (int64_t t = t0; t < t1; ++t) {
+      while (p + 1 < parts.size() && parts[p + 1].tile0 <= t) ++p;
+      const Part& part = parts[p];
+      const int64_t nsb = k / part.f.kb, tb = part.f.tile_bytes();
+      const int64_t col = part.col0 + (t - part.tile0) * kTile;
       std::fill(acc.begin(), acc.end(), 0.0f);
-      const uint8_t* tile = w + t * nsb * f.tile_bytes();
-      for (int64_t s = 0; s < nsb; ++s) fn((int)fmt, f, tile + s * f.tile_bytes(), a, s, acc.data());
-      for (int64_t i = 0; i < m; ++i) std::memcpy(y + i * ldo + t * kTile, acc.data() + i * kTile, kTile * 4);
+      const uint8_t* tile = part.w + (t - part.tile0) * nsb * tb;
+      for (int64_t s = 0; s < nsb; ++s) fn(part.fmt, part.f, tile + s * tb, a, s, acc.data());
+      for (int64_t i = 0; i < m; ++i)
+        for (int c = 0; c < kTile; ++c) {
+          const float v = b ? acc[i * kTile + c] + b[col + c] : acc[i * kTile + c];
+          if (out_bf16) out.data_ptr<at::BFloat16>()[i * cols + col + c] = at::BFloat16(v);
+          else out.data_ptr<float>()[i * cols + col + c] = v;
+        }
     }
   });
+  return out;
 }
 
 std::vector<int64_t> supported_isas() {
@@ -159,7 +191,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack", &verispec::repack, "GGUF blocks -> packed tiles");
   m.def("dequantize", &verispec::dequantize, "packed tiles -> float32 weight, as gguf dequantizes");
   m.def("quantize_rows", &verispec::quantize_rows, "per-row activation quantization");
-  m.def("gemm", &verispec::gemm, "out[:, col0:col0+N] = x @ W.T");
+  m.def("linear", &verispec::linear, "x @ W.T (+ bias) over packed parts");
   m.def("supported_isas", &verispec::supported_isas);
   m.def("best_isa", &verispec::best_isa);
   m.def("format_packed_bytes", &verispec::format_packed_bytes);
