@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 from realmodels import GREEDY, MAX_MODEL_LEN, PROMPTS, prompt_ids
 from verispec.config import SpeculativeConfig
 from verispec.engine.engine import Engine
+from verispec.models.loader import load_model
 from verispec.models.quant import quantize_
 from verispec.speculative.draft_model import DraftModelDrafter
 
@@ -16,13 +15,14 @@ from verispec.speculative.draft_model import DraftModelDrafter
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["int8", pytest.param("int4", marks=pytest.mark.long)])
 def test_smollm2_quantized_target_speculation_identical(smollm, scheme):
-    target = copy.copy(smollm)
-    target.model = quantize_(copy.deepcopy(smollm.model), scheme)
+    target = load_model("smollm2-135m-instruct", quantization="none", progress=False)  # dense weights to pack
+    target.model = quantize_(target.model, scheme)
     ids = prompt_ids(target, PROMPTS[0])
     plain = Engine(target, max_model_len=MAX_MODEL_LEN).generate(ids, GREEDY)
     ngram = Engine(target, SpeculativeConfig(method="ngram", num_speculative_tokens=5, adaptive=False),
                    max_model_len=MAX_MODEL_LEN).generate(ids, GREEDY)
-    drafter = DraftModelDrafter(smollm, smollm.model.config.vocab_size, MAX_MODEL_LEN)  # bf16 draft
+    # the draft: the same model on its own GGUF weights (the native kernels)
+    drafter = DraftModelDrafter(smollm, smollm.model.config.vocab_size, MAX_MODEL_LEN)
     drafted = Engine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=4, adaptive=False),
                      max_model_len=MAX_MODEL_LEN, drafter=drafter).generate(ids, GREEDY)
     assert ngram.output_ids == plain.output_ids

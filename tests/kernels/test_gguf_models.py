@@ -116,3 +116,10 @@ def test_top1_agrees_with_gguf_float32_reference_as_well_as_dense_bf16(name):
     assert agreement >= dense_agreement - 0.01, f"{name}: native {agreement:.4f}, dense bf16 {dense_agreement:.4f}"
     # the teacher-forced next token is predicted about as often (a sanity check on the text)
     assert abs((ours == targets).float().mean() - (theirs == targets).float().mean()) < 0.02
+
+
+def test_packing_a_native_model_again_is_a_clear_error(smollm):
+    from verispec.models.quant import QuantizationError, quantize_
+
+    with pytest.raises(QuantizationError, match="already quantized"):
+        quantize_(smollm.model, "int8")

@@ -178,6 +178,13 @@ def quantize_(model: nn.Module, scheme: str, group_size: int = DEFAULT_INT4_GROU
 
         dense_prefill = cpu_has_native_bf16()
     keep = bool(dense_prefill)
+    packed = [m for layer in model.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+              if not isinstance(m, nn.Linear)]
+    if packed:
+        raise QuantizationError(
+            f"--quantization {scheme} packs dense weights, and this model's layers are already quantized "
+            f"({type(packed[0]).__name__}); load it with quantization='none' first"
+        )
     make = (lambda lin: Int8Linear(lin, keep)) if scheme == "int8" else (lambda lin: Int4Linear(lin, group_size, keep))
     if scheme == "int4":
         for layer in model.layers:
