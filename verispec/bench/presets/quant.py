@@ -68,8 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_bytes_per_token(model: Any) -> int:
-    tensors = list(model.parameters()) + list(model.buffers())
-    total = sum(t.numel() * t.element_size() for t in tensors)
+    # a layer's `dense` copy serves prompt prefill only; a decode step does not read it
+    named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if not n.endswith("dense")]
+    unique = {t.data_ptr(): t for _, t in named}
+    total = sum(t.numel() * t.element_size() for t in unique.values())
     table = model.embed.weight
     return total - (table.shape[0] - 1) * table.shape[1] * table.element_size()
 
