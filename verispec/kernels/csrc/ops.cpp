@@ -179,20 +179,11 @@ std::vector<int64_t> supported_isas() {
   return out;
 }
 
-int64_t format_packed_bytes(int64_t fmt, int64_t n, int64_t k) {
-  const FormatInfo f = info_or_throw(fmt);
-  check_shape(f, n, k);
-  return packed_bytes(f, n, k);
-}
-
 }  // namespace verispec
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("repack", &verispec::repack, "GGUF blocks -> packed tiles");
   m.def("dequantize", &verispec::dequantize, "packed tiles -> float32 weight, as gguf dequantizes");
-  m.def("quantize_rows", &verispec::quantize_rows, "per-row activation quantization");
   m.def("linear", &verispec::linear, "x @ W.T (+ bias) over packed parts");
   m.def("supported_isas", &verispec::supported_isas);
-  m.def("best_isa", &verispec::best_isa);
-  m.def("format_packed_bytes", &verispec::format_packed_bytes);
 }
