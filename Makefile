@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
 	$(PY) -m pip install --quiet -e ".[test,server,bench]"
+	$(PY) -c "import verispec.kernels as k; k.available()"  # build the native CPU kernels once
 	touch $@
 
 # The main job: Qwen2.5-Coder-1.5B-Instruct answers a chat prompt, with the 0.5B model drafting
