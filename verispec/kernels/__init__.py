@@ -4,8 +4,8 @@ The C++ sources in ``csrc/`` are compiled on first use into a PyTorch extension 
 ``$VERISPEC_HOME/kernels/<key>/`` (the key hashes the sources, the compiler, torch and Python),
 with a one-line message on stderr while it compiles. Every ISA path is compiled into the one
 library and picked at run time from the CPU's flags, so a cached build serves any x86-64 CPU.
-Without a working compiler :func:`native` returns None after a warning, and callers fall back to
-PyTorch kernels.
+Without a working compiler :func:`native` returns None after a warning, and GGUF models load
+dense; ``VERISPEC_NATIVE=0`` asks for that without trying.
 
 Contract (stated in full in ``csrc/qgemm.h``): activations are quantized per row in blocks, dot
 products are exact int32 sums, and every output is one fp32 accumulation in a fixed order, with
@@ -72,7 +72,7 @@ def native():
     if platform.machine().lower() not in ("x86_64", "amd64"):
         warnings.warn(
             f"verispec's native kernels are written for x86-64, not {platform.machine()}; "
-            "quantized GGUF models run through PyTorch's kernels instead (several times slower per token)",
+            "GGUF models load with dense bf16 weights instead (about half the decode speed)",
             stacklevel=2,
         )
         return None
@@ -99,8 +99,8 @@ def native():
         else:
             why = f"the build failed ({str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r})"
         warnings.warn(
-            f"verispec's native CPU kernels are unavailable: {why}. Quantized GGUF models fall back to "
-            "PyTorch's kernels, several times slower per token and per verified draft token.",
+            f"verispec's native CPU kernels are unavailable: {why}. GGUF models load with dense bf16 "
+            "weights instead: about half the decode speed, and each verified draft token costs more.",
             stacklevel=2,
         )
         return None

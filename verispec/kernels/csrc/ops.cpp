@@ -150,6 +150,8 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
   const QActs a{acts[0].data_ptr<int8_t>(), acts[1].data_ptr<float>(), acts[2].data_ptr<int16_t>(), m, k};
   auto out = torch::empty({m, cols}, out_bf16 ? torch::kBFloat16 : torch::kFloat32);
   const SuperblockFn fn = kernel_for(isa < 0 ? best_isa() : (int)isa);
+  at::BFloat16* y16 = out_bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  float* y32 = out_bf16 ? nullptr : out.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc((size_t)m * kTile);
     size_t p = 0;
@@ -164,8 +166,8 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
       for (int64_t i = 0; i < m; ++i)
         for (int c = 0; c < kTile; ++c) {
           const float v = b ? acc[i * kTile + c] + b[col + c] : acc[i * kTile + c];
-          if (out_bf16) out.data_ptr<at::BFloat16>()[i * cols + col + c] = at::BFloat16(v);
-          else out.data_ptr<float>()[i * cols + col + c] = v;
+          if (y16) y16[i * cols + col + c] = at::BFloat16(v);
+          else y32[i * cols + col + c] = v;
         }
     }
   });
