@@ -59,12 +59,12 @@ def test_repacked_weight_equals_gguf_dequantization(fmt):
 def test_rows_are_bit_identical_for_every_row_count_thread_count_and_isa(fmt):
     n, k = 64, 512
     w = kernels.repack(FORMATS[fmt], random_blocks(fmt, n, k, seed=1), n, k)
-    x = torch.randn(16, k, generator=torch.Generator().manual_seed(2)) * 3
+    x = torch.randn(33, k, generator=torch.Generator().manual_seed(2)) * 3
     # the definition: each row alone, through the scalar reference, on one thread
-    alone = with_threads(1, lambda: torch.cat([kernels.matmul(x[i : i + 1], [w], "scalar") for i in range(16)]))
+    alone = with_threads(1, lambda: torch.cat([kernels.matmul(x[i : i + 1], [w], "scalar") for i in range(33)]))
     for isa in kernels.supported_isas():
         for threads in (1, 2):
-            for m in range(1, 17):
+            for m in [*range(1, 17), 23, 33]:  # past 16, AMX runs blocks of 16 rows
                 got = with_threads(threads, lambda: kernels.matmul(x[:m], [w], isa))
                 assert torch.equal(got, alone[:m]), f"{fmt} {isa} threads={threads} M={m}"
 

@@ -18,8 +18,8 @@ static void unpack_weights(const FormatInfo& f, const uint8_t* tile, Unpacked* u
     for (int h = 0; h < G; ++h) {  // G/2 groups of 64 bytes = G ymm
       const __m256i v = _mm256_loadu_si256((const __m256i*)(tile + 32 * h));
       const int g = h / 2, half = h % 2;
-      _mm256_store_si256((__m256i*)(u->w + 64 * g + 32 * half), _mm256_and_si256(v, low));
-      _mm256_store_si256((__m256i*)(u->w + 64 * (g + G / 2) + 32 * half),
+      _mm256_store_si256((__m256i*)(u->w + 128 * g + 32 * half), _mm256_and_si256(v, low));
+      _mm256_store_si256((__m256i*)(u->w + 128 * g + 64 + 32 * half),
                          _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
     }
   } else if (f.signed_w) {
@@ -77,15 +77,10 @@ template <int KB, int SUB, bool SIGNED, int OFF, bool FPOFF, int R>
 static void rows_block(const Unpacked& u, const QActs& a, int64_t s, float* acc, int64_t m0) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4;
   const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* xq[R];
-  const int16_t* bs[R];
-  const float* dx[R];
+  const int64_t b0 = s * (KB / kActBlock);
   __m256 y0[R], y1[R];
   for (int r = 0; r < R; ++r) {
     const int64_t m = m0 + r;
-    xq[r] = a.q + m * a.k + s * KB;
-    bs[r] = a.bs + m * (a.k / 16) + s * (KB / 16);
-    dx[r] = a.dx + m * (a.k / kActBlock) + s * (KB / kActBlock);
     y0[r] = _mm256_loadu_ps(acc + m * kTile);
     y1[r] = _mm256_loadu_ps(acc + m * kTile + 8);
   }
@@ -97,7 +92,7 @@ static void rows_block(const Unpacked& u, const QActs& a, int64_t s, float* acc,
       const __m256i w1 = _mm256_load_si256((const __m256i*)(u.w + 64 * g + 32));
       for (int r = 0; r < R; ++r) {
         int32_t x4;
-        std::memcpy(&x4, xq[r] + 4 * g, 4);
+        std::memcpy(&x4, a.qb(b0 + g / 8, m0 + r) + 4 * (g % 8), 4);
         const __m256i x = _mm256_set1_epi32(x4);
         __m256i x0 = x, x1 = x;
         if (SIGNED) {
@@ -110,17 +105,17 @@ static void rows_block(const Unpacked& u, const QActs& a, int64_t s, float* acc,
     }
     const __m256 dl0 = _mm256_load_ps(u.dl[j]), dl1 = _mm256_load_ps(u.dl[j] + 8);
     for (int r = 0; r < R; ++r) {
-      const int32_t bsum = (OFF || FPOFF) ? sub_bsum(bs[r], j, SUB) : 0;
       if (OFF) {
-        const __m256i o = _mm256_set1_epi32(OFF * bsum);
+        const __m256i o = _mm256_set1_epi32(OFF * a.bsum(m0 + r, s, KB, j, SUB));
         i0[r] = _mm256_sub_epi32(i0[r], o);
         i1[r] = _mm256_sub_epi32(i1[r], o);
       }
-      const __m256 dxj = _mm256_set1_ps(dx[r][j * SUB / kActBlock]);
+      const int64_t blk = b0 + j * SUB / kActBlock;
+      const __m256 dxj = _mm256_set1_ps(a.dx[blk * a.mp + m0 + r]);
       y0[r] = _mm256_fmadd_ps(dl0, _mm256_mul_ps(_mm256_cvtepi32_ps(i0[r]), dxj), y0[r]);
       y1[r] = _mm256_fmadd_ps(dl1, _mm256_mul_ps(_mm256_cvtepi32_ps(i1[r]), dxj), y1[r]);
       if (FPOFF) {
-        const __m256 v = _mm256_set1_ps(dx[r][j * SUB / kActBlock] * (float)bsum);
+        const __m256 v = _mm256_set1_ps(a.dxb[blk * a.mp + m0 + r]);
         y0[r] = _mm256_fnmadd_ps(_mm256_load_ps(u.ml[j]), v, y0[r]);
         y1[r] = _mm256_fnmadd_ps(_mm256_load_ps(u.ml[j] + 8), v, y1[r]);
       }

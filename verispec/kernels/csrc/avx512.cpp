@@ -1,4 +1,5 @@
-// AVX512 path (F, BW, VL, VNNI): one tile superblock is 64-byte groups, one zmm each.
+// AVX512 path (F, BW, VL, VNNI): one tile superblock is 64-byte groups, one zmm each, read
+// straight from the packed tile (no scratch copy).
 // Per row and group: vpdpbusd (u8 weight x s8 activation, 4 products per int32 column lane),
 // and per sub the fp32 steps of the contract. Signed weights (Q8_0) move their signs onto the
 // activations first. Integer sums and the fp32 epilogue follow the contract in qgemm.h.
@@ -10,26 +11,6 @@
 #include "qgemm.h"
 
 namespace verispec {
-
-static void unpack_weights(const FormatInfo& f, const uint8_t* tile, Unpacked* u) {
-  const int G = f.groups();
-  if (f.nibbles) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    for (int h = 0; h < G / 2; ++h) {
-      const __m512i v = _mm512_loadu_si512(tile + 64 * h);
-      _mm512_store_si512(u->w + 64 * h, _mm512_and_si512(v, low));
-      _mm512_store_si512(u->w + 64 * (h + G / 2), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-    }
-  } else if (f.signed_w) {
-    for (int g = 0; g < G; ++g) {
-      const __m512i v = _mm512_loadu_si512(tile + 64 * g);
-      _mm512_store_si512(u->ws + 64 * g, v);
-      _mm512_store_si512(u->w + 64 * g, _mm512_abs_epi8(v));
-    }
-  } else {
-    for (int g = 0; g < G; ++g) _mm512_store_si512(u->w + 64 * g, _mm512_loadu_si512(tile + 64 * g));
-  }
-}
 
 // dl and ml of every sub of one tile superblock, one lane per column (the definitions are
 // dl_of and ml_of in ref.cpp; the same fp32 products).
@@ -68,43 +49,69 @@ static void unpack_scales(int fmt, const FormatInfo& f, const uint8_t* tile, Unp
   }
 }
 
-// R rows at once: each weight group is loaded once for the R rows, and the R independent
-// dpbusd chains hide the instruction's latency.
-template <int KB, int SUB, bool SIGNED, int OFF, bool FPOFF, int R>
-static void rows_block(const Unpacked& u, const QActs& a, int64_t s, float* acc, int64_t m0) {
+// Four activation bytes in every 32-bit lane, as one load-port broadcast.
+static inline __m512i bcast4(const int8_t* p) {
+  return _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss((const float*)p)));
+}
+
+// Groups g and g + 1 of a tile superblock as dpbusd's unsigned operand: both nibbles of one
+// 64-byte load (4-bit formats), or two loads; for Q8_0 the magnitudes, with the signs in neg.
+template <bool NIB, bool SIGNED>
+static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* w1, __mmask64* n0, __mmask64* n1) {
+  if constexpr (NIB) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m512i v = _mm512_loadu_si512(tile + 32 * g);  // byte block g / 2
+    *w0 = _mm512_and_si512(v, low);
+    *w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  } else {
+    const __m512i v0 = _mm512_loadu_si512(tile + 64 * g), v1 = _mm512_loadu_si512(tile + 64 * g + 64);
+    if constexpr (SIGNED) {
+      *n0 = _mm512_movepi8_mask(v0);
+      *n1 = _mm512_movepi8_mask(v1);
+      *w0 = _mm512_abs_epi8(v0);
+      *w1 = _mm512_abs_epi8(v1);
+    } else {
+      *w0 = v0;
+      *w1 = v1;
+    }
+  }
+}
+
+// R rows at once, reading the weights straight from the packed tile: each pair of groups is
+// loaded (and its nibbles split) once for the R rows, and the R independent dpbusd chains hide
+// the instruction's latency.
+template <int KB, int SUB, bool NIB, bool SIGNED, int OFF, bool FPOFF, int R>
+static void rows_block(const uint8_t* tile, const Unpacked& u, const QActs& a, int64_t s, float* acc, int64_t m0) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4;
-  const int8_t* xq[R];
-  const int16_t* bs[R];
-  const float* dx[R];
+  const int64_t b0 = s * (KB / kActBlock);
   __m512 y[R];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const int64_t m = m0 + r;
-    xq[r] = a.q + m * a.k + s * KB;
-    bs[r] = a.bs + m * (a.k / 16) + s * (KB / 16);
-    dx[r] = a.dx + m * (a.k / kActBlock) + s * (KB / kActBlock);
-    y[r] = _mm512_loadu_ps(acc + m * kTile);
-  }
+  for (int r = 0; r < R; ++r) y[r] = _mm512_loadu_ps(acc + (m0 + r) * kTile);
   // With few rows, each row's sum runs in P partial chains (groups g % P), added at the end:
   // integer sums, so the split cannot change a result, and the chains overlap their latency.
   constexpr int P = R == 1 ? 4 : R < 4 ? 2 : 1;
   for (int j = 0; j < NSUB; ++j) {
+    const int64_t blk = b0 + j * SUB / kActBlock;
+    const int8_t* xj = a.qb(blk, m0) + j * SUB % kActBlock;  // row r at xj + 32 r
     __m512i part[P][R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
       for (int p = 0; p < P; ++p) part[p][r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-    for (int g = j * GPS; g < (j + 1) * GPS; ++g) {
-      const __m512i w = _mm512_load_si512(u.w + 64 * g);
-      __mmask64 neg = 0;
-      if (SIGNED) neg = _mm512_movepi8_mask(_mm512_load_si512(u.ws + 64 * g));
+    for (int gg = 0; gg < GPS; gg += 2) {  // GPS is a multiple of P, so g % P == gg % P
+      const int g = j * GPS + gg;
+      __m512i w0, w1;
+      __mmask64 n0 = 0, n1 = 0;
+      group_pair<NIB, SIGNED>(tile, g, &w0, &w1, &n0, &n1);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        int32_t x4;
-        std::memcpy(&x4, xq[r] + 4 * g, 4);
-        __m512i x = _mm512_set1_epi32(x4);
-        if (SIGNED) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
-        part[g % P][r] = _mm512_dpbusd_epi32(part[g % P][r], w, x);
+        __m512i x0 = bcast4(xj + kActBlock * r + 4 * gg), x1 = bcast4(xj + kActBlock * r + 4 * gg + 4);
+        if (SIGNED) {
+          x0 = _mm512_mask_sub_epi8(x0, n0, _mm512_setzero_si512(), x0);
+          x1 = _mm512_mask_sub_epi8(x1, n1, _mm512_setzero_si512(), x1);
+        }
+        part[gg % P][r] = _mm512_dpbusd_epi32(part[gg % P][r], w0, x0);
+        part[(gg + 1) % P][r] = _mm512_dpbusd_epi32(part[(gg + 1) % P][r], w1, x1);
       }
     }
     __m512i isum[R];
@@ -116,42 +123,40 @@ static void rows_block(const Unpacked& u, const QActs& a, int64_t s, float* acc,
     const __m512 dl = _mm512_load_ps(u.dl[j]);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const int32_t bsum = (OFF || FPOFF) ? sub_bsum(bs[r], j, SUB) : 0;
-      if (OFF) isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(OFF * bsum));
-      const float dxj = dx[r][j * SUB / kActBlock];
-      y[r] = _mm512_fmadd_ps(dl, _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_set1_ps(dxj)), y[r]);
-      if (FPOFF) y[r] = _mm512_fnmadd_ps(_mm512_load_ps(u.ml[j]), _mm512_set1_ps(dxj * (float)bsum), y[r]);
+      if (OFF) isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(OFF * a.bsum(m0 + r, s, KB, j, SUB)));
+      const __m512 dxj = _mm512_set1_ps(a.dx[blk * a.mp + m0 + r]);
+      y[r] = _mm512_fmadd_ps(dl, _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r]), dxj), y[r]);
+      if (FPOFF) y[r] = _mm512_fnmadd_ps(_mm512_load_ps(u.ml[j]), _mm512_set1_ps(a.dxb[blk * a.mp + m0 + r]), y[r]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (m0 + r) * kTile, y[r]);
 }
 
-template <int KB, int SUB, bool SIGNED, int OFF, bool FPOFF>
-static void rows(const Unpacked& u, const QActs& a, int64_t s, float* acc) {
+template <int KB, int SUB, bool NIB, bool SIGNED, int OFF, bool FPOFF>
+static void rows(const uint8_t* tile, const Unpacked& u, const QActs& a, int64_t s, float* acc) {
   int64_t m = 0;
-  for (; m + 8 <= a.m; m += 8) rows_block<KB, SUB, SIGNED, OFF, FPOFF, 8>(u, a, s, acc, m);
+  for (; m + 8 <= a.m; m += 8) rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 8>(tile, u, a, s, acc, m);
   switch (a.m - m) {
-    case 1: rows_block<KB, SUB, SIGNED, OFF, FPOFF, 1>(u, a, s, acc, m); break;
-    case 2: rows_block<KB, SUB, SIGNED, OFF, FPOFF, 2>(u, a, s, acc, m); break;
-    case 3: rows_block<KB, SUB, SIGNED, OFF, FPOFF, 3>(u, a, s, acc, m); break;
-    case 4: rows_block<KB, SUB, SIGNED, OFF, FPOFF, 4>(u, a, s, acc, m); break;
-    case 5: rows_block<KB, SUB, SIGNED, OFF, FPOFF, 5>(u, a, s, acc, m); break;
-    case 6: rows_block<KB, SUB, SIGNED, OFF, FPOFF, 6>(u, a, s, acc, m); break;
-    case 7: rows_block<KB, SUB, SIGNED, OFF, FPOFF, 7>(u, a, s, acc, m); break;
+    case 1: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 1>(tile, u, a, s, acc, m); break;
+    case 2: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 2>(tile, u, a, s, acc, m); break;
+    case 3: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 3>(tile, u, a, s, acc, m); break;
+    case 4: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 4>(tile, u, a, s, acc, m); break;
+    case 5: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 5>(tile, u, a, s, acc, m); break;
+    case 6: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 6>(tile, u, a, s, acc, m); break;
+    case 7: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 7>(tile, u, a, s, acc, m); break;
   }
 }
 
 void superblock_avx512(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc) {
-  Unpacked u;
-  unpack_weights(f, tile, &u);
+  Unpacked u;  // the scales only: the weights are read from the tile
   unpack_scales(fmt, f, tile, &u);
   switch (fmt) {
-    case Q4_K: rows<256, 32, false, 0, true>(u, a, s, acc); break;
-    case Q6_K: rows<256, 16, false, 32, false>(u, a, s, acc); break;
-    case Q5_0: rows<32, 32, false, 16, false>(u, a, s, acc); break;
-    case Q4_1: rows<32, 32, false, 0, true>(u, a, s, acc); break;
-    case Q8_0: rows<32, 32, true, 0, false>(u, a, s, acc); break;
+    case Q4_K: rows<256, 32, true, false, 0, true>(tile, u, a, s, acc); break;
+    case Q6_K: rows<256, 16, false, false, 32, false>(tile, u, a, s, acc); break;
+    case Q5_0: rows<32, 32, false, false, 16, false>(tile, u, a, s, acc); break;
+    case Q4_1: rows<32, 32, true, false, 0, true>(tile, u, a, s, acc); break;
+    case Q8_0: rows<32, 32, false, true, 0, false>(tile, u, a, s, acc); break;
   }
 }
 

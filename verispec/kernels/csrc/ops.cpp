@@ -6,6 +6,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <vector>
 
@@ -14,7 +18,22 @@
 namespace verispec {
 namespace {
 
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+constexpr int64_t kPrefetchAhead = 2;  // superblocks
+
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+
+// AMX needs the CPU's AMX-TILE and AMX-INT8 bits and the kernel's leave to use the tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), asked once per process.
+bool amx_usable() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
 
 bool isa_supported(int isa) {
   switch (isa) {
@@ -24,15 +43,29 @@ bool isa_supported(int isa) {
     case kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && isa_supported(kAvx2);
+    case kAmx: return isa_supported(kAvx512) && amx_usable();
     default: return false;
   }
 }
 
-int best_isa() { return isa_supported(kAvx512) ? kAvx512 : isa_supported(kAvx2) ? kAvx2 : kScalar; }
+// The default path for m rows. AMX's tile dot products cost a fixed ~170 ns per superblock
+// (eight tile stores of 1 KB for Q4_K), whatever the rows; on a Xeon with AMX the VNNI path was
+// faster up to 9 rows and AMX faster at 16 (docs/kernels.md).
+constexpr int64_t kAmxMinRows = 16;
+
+int best_isa(int64_t m) {
+  if (m >= kAmxMinRows && isa_supported(kAmx)) return kAmx;
+  return isa_supported(kAvx512) ? kAvx512 : isa_supported(kAvx2) ? kAvx2 : kScalar;
+}
 
 SuperblockFn kernel_for(int isa) {
   TORCH_CHECK(isa_supported(isa), "ISA path ", isa, " is not supported by this CPU");
-  return isa == kAvx512 ? superblock_avx512 : isa == kAvx2 ? superblock_avx2 : superblock_scalar;
+  switch (isa) {
+    case kAmx: return superblock_amx;
+    case kAvx512: return superblock_avx512;
+    case kAvx2: return superblock_avx2;
+    default: return superblock_scalar;
+  }
 }
 
 FormatInfo info_or_throw(int64_t fmt) {
@@ -96,17 +129,26 @@ torch::Tensor dequantize(int64_t fmt, torch::Tensor packed, int64_t n, int64_t k
   return out;
 }
 
-// x: float32 or bfloat16 [M, K] -> (q int8 [M, K], dx float32 [M, K / 32], bs int16 [M, K / 16]).
+// x: float32 or bfloat16 [M, K] -> the QActs arrays, block-major over mp rows (M rounded up to a
+// multiple of 16, the extra rows zero): q int8 [K / 32, mp, 32], dx float32 [K / 32, mp],
+// bs int16 [K / 16, mp], dxb float32 [K / 32, mp]. Each row is quantized alone (quantize_row).
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && (x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16),
               "activations must be float32 or bfloat16 [M, K]");
   x = x.contiguous();
-  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t m = x.size(0), k = x.size(1), mp = (m + 15) / 16 * 16, nb = k / kActBlock;
   TORCH_CHECK(k % kActBlock == 0, "input features ", k, " are not a multiple of ", kActBlock);
-  auto q = torch::empty({m, k}, torch::kInt8);
-  auto dx = torch::empty({m, k / kActBlock}, torch::kFloat32);
-  auto bs = torch::empty({m, k / 16}, torch::kInt16);
-  std::vector<float> row(x.dtype() == torch::kBFloat16 ? k : 0);
+  auto q = torch::zeros({nb, mp, kActBlock}, torch::kInt8);
+  auto dx = torch::zeros({nb, mp}, torch::kFloat32);
+  auto bs = torch::zeros({k / 16, mp}, torch::kInt16);
+  auto dxb = torch::zeros({nb, mp}, torch::kFloat32);
+  std::vector<float> row(x.dtype() == torch::kBFloat16 ? k : 0), rdx(nb), rdxb(nb);
+  std::vector<int8_t> rq(k);
+  std::vector<int16_t> rbs(k / 16);
+  int8_t* pq = q.data_ptr<int8_t>();
+  float* pdx = dx.data_ptr<float>();
+  float* pdxb = dxb.data_ptr<float>();
+  int16_t* pbs = bs.data_ptr<int16_t>();
   for (int64_t i = 0; i < m; ++i) {
     const float* xr;
     if (x.dtype() == torch::kBFloat16) {  // bf16 -> float32 is exact
@@ -116,10 +158,15 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
     } else {
       xr = x.data_ptr<float>() + i * k;
     }
-    quantize_row(xr, k, q.data_ptr<int8_t>() + i * k, dx.data_ptr<float>() + i * (k / kActBlock),
-                 bs.data_ptr<int16_t>() + i * (k / 16));
+    quantize_row(xr, k, rq.data(), rdx.data(), rbs.data(), rdxb.data());
+    for (int64_t b = 0; b < nb; ++b) {
+      std::memcpy(pq + (b * mp + i) * kActBlock, rq.data() + b * kActBlock, kActBlock);
+      pdx[b * mp + i] = rdx[b];
+      pdxb[b * mp + i] = rdxb[b];
+    }
+    for (int64_t b = 0; b < k / 16; ++b) pbs[b * mp + i] = rbs[b];
   }
-  return {q, dx, bs};
+  return {q, dx, bs, dxb};
 }
 
 // y = x @ W.T (+ bias) for W the packed parts stacked along the output dim: [M, sum n], float32
@@ -146,23 +193,34 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
                 "bias must be float32 [", cols, "]");
     b = bias->data_ptr<float>();
   }
+  const int use = isa < 0 ? best_isa(m) : (int)isa;
+  const SuperblockFn fn = kernel_for(use);
   const auto acts = quantize_rows(x);
-  const QActs a{acts[0].data_ptr<int8_t>(), acts[1].data_ptr<float>(), acts[2].data_ptr<int16_t>(), m, k};
+  const QActs a{acts[0].data_ptr<int8_t>(), acts[1].data_ptr<float>(), acts[2].data_ptr<int16_t>(),
+                acts[3].data_ptr<float>(), m, k, acts[0].size(1)};
   auto out = torch::empty({m, cols}, out_bf16 ? torch::kBFloat16 : torch::kFloat32);
-  const SuperblockFn fn = kernel_for(isa < 0 ? best_isa() : (int)isa);
   at::BFloat16* y16 = out_bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   float* y32 = out_bf16 ? nullptr : out.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc((size_t)m * kTile);
     size_t p = 0;
+    int amx_sub = 0;  // the sub size the thread's tiles are configured for
     for (int64_t t = t0; t < t1; ++t) {
       while (p + 1 < parts.size() && parts[p + 1].tile0 <= t) ++p;
       const Part& part = parts[p];
+      if (use == kAmx && part.f.sub != amx_sub) amx_configure(amx_sub = part.f.sub);
       const int64_t nsb = k / part.f.kb, tb = part.f.tile_bytes();
       const int64_t col = part.col0 + (t - part.tile0) * kTile;
       std::fill(acc.begin(), acc.end(), 0.0f);
       const uint8_t* tile = part.w + (t - part.tile0) * nsb * tb;
-      for (int64_t s = 0; s < nsb; ++s) fn(part.fmt, part.f, tile + s * tb, a, s, acc.data());
+      for (int64_t s = 0; s < nsb; ++s) {
+        // The weights stream from memory once; the hardware prefetcher alone leaves the core
+        // waiting at the start of each superblock (most of the time at M = 16, by profile), so
+        // ask for the superblock kPrefetchAhead places on (in memory order, across tiles).
+        const uint8_t* next = tile + (s + kPrefetchAhead) * tb;
+        for (int64_t b = 0; b < tb; b += 64) __builtin_prefetch(next + b, 0, 3);
+        fn(part.fmt, part.f, tile + s * tb, a, s, acc.data());
+      }
       for (int64_t i = 0; i < m; ++i)
         for (int c = 0; c < kTile; ++c) {
           const float v = b ? acc[i * kTile + c] + b[col + c] : acc[i * kTile + c];
@@ -170,13 +228,14 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
           else y32[i * cols + col + c] = v;
         }
     }
+    if (amx_sub) amx_release();
   });
   return out;
 }
 
 std::vector<int64_t> supported_isas() {
   std::vector<int64_t> out;
-  for (int isa : {kScalar, kAvx2, kAvx512})
+  for (int isa : {kScalar, kAvx2, kAvx512, kAmx})
     if (isa_supported(isa)) out.push_back(isa);
   return out;
 }

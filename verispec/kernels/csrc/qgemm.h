@@ -30,7 +30,8 @@
 // One tile superblock, with G = KB/4 groups of 4 consecutive k:
 //
 //   weights   8-bit formats: G x [16 cols][4 k] bytes        (byte = w[4g + j] of column c)
-//             4-bit formats: G/2 x [16 cols][4 k] bytes, low nibble group g, high nibble g + G/2
+//             4-bit formats: G/2 x [16 cols][4 k] bytes, low nibble group 2h, high nibble 2h + 1
+//             (both nibbles of a byte in one sub, so one load feeds two groups of the same sub)
 //   scales    Q4_K: sc[8][16] u8, then mn[8][16] u8;  Q6_K: sc[16][16] int8;  others: none
 //   d         [16] fp16 (the file's own bits)
 //   dmin      Q4_K: dmin[16] fp16;  Q4_1: m[16] fp16;  others: none
@@ -80,22 +81,29 @@ struct alignas(64) Unpacked {
   float ml[kMaxSub][kTile];
 };
 
-// Activations quantized per row (see the contract).
+// Activations quantized per row (see the contract), stored block-major: for each block of 32 k,
+// the rows one after another (mp of them, m rounded up to 16, the extra rows zero). So the rows
+// a kernel runs together sit at fixed offsets from one pointer (row r of block b at
+// qb(b, 0) + 32 r), and an AMX A tile of 16 rows of one block is 512 contiguous bytes.
 struct QActs {
-  const int8_t* q;    // [M][K]
-  const float* dx;    // [M][K / 32]
-  const int16_t* bs;  // [M][K / 16]
-  int64_t m, k;
+  const int8_t* q;    // [K / 32][mp][32]
+  const float* dx;    // [K / 32][mp]
+  const int16_t* bs;  // [K / 16][mp]: the int sums of every 16 q's
+  const float* dxb;   // [K / 32][mp]: dx * (float)bsum of each block of 32 (the fp offset's factor)
+  int64_t m, k, mp;
+
+  const int8_t* qb(int64_t blk, int64_t row) const { return q + (blk * mp + row) * 32; }
+  // The sum of q over sub j (of size sub) of superblock s (of size kb), row m.
+  int32_t bsum(int64_t m, int64_t s, int kb, int j, int sub) const {
+    const int64_t i = s * (kb / 16) + j * (sub / 16);
+    return sub == 16 ? bs[i * mp + m] : (int32_t)bs[i * mp + m] + bs[(i + 1) * mp + m];
+  }
 };
 
 // The per-format constants of the contract.
 inline int int_offset(int fmt) { return fmt == 14 ? 32 : fmt == 6 ? 16 : 0; }  // Q6_K, Q5_0
 inline bool has_fp_offset(int fmt) { return fmt == 12 || fmt == 3; }          // Q4_K, Q4_1
 
-// The sub's activation sum: bs16 entries [j*sub/16, (j+1)*sub/16) of the row's superblock.
-inline int32_t sub_bsum(const int16_t* bs, int j, int sub) {
-  return sub == 16 ? bs[j] : (int32_t)bs[2 * j] + bs[2 * j + 1];
-}
 
 
 // fp16 bits -> float (exact).
@@ -108,6 +116,11 @@ using SuperblockFn = void (*)(int fmt, const FormatInfo& f, const uint8_t* tile,
 void superblock_scalar(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc);
 void superblock_avx2(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc);
 void superblock_avx512(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc);
+// AMX: the calling thread must have run amx_configure with the format's sub size (and runs
+// amx_release when done).
+void superblock_amx(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc);
+void amx_configure(int sub);
+void amx_release();
 
 // A GGUF block decoded to integers (see decode_block).
 struct Decoded {
@@ -118,6 +131,6 @@ struct Decoded {
 void decode_block(int fmt, const uint8_t* block, Decoded* out);
 void write_tile(const FormatInfo& f, const Decoded* cols, uint8_t* tile);  // cols[16]
 void dequantize_tile(const FormatInfo& f, int fmt, const uint8_t* tile, float* out, int64_t ldo);
-void quantize_row(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs);
+void quantize_row(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs, float* dxb);
 
 }  // namespace verispec

@@ -116,9 +116,9 @@ void write_tile(const FormatInfo& f, const Decoded* cols, uint8_t* tile) {
     for (int c = 0; c < kTile; ++c)
       for (int j = 0; j < 4; ++j) {
         const uint8_t v = (uint8_t)cols[c].q[4 * g + j];
-        uint8_t* p = tile + (f.nibbles ? g % (G / 2) : g) * 64 + 4 * c + j;
+        uint8_t* p = tile + (f.nibbles ? g / 2 : g) * 64 + 4 * c + j;
         if (!f.nibbles) *p = v;
-        else if (g < G / 2) *p = v;
+        else if (g % 2 == 0) *p = v;
         else *p |= (uint8_t)(v << 4);
       }
   uint8_t* s = tile + f.weight_bytes();
@@ -158,8 +158,8 @@ static inline float ml_of(const FormatInfo& f, int fmt, const uint8_t* tile, int
 static inline int32_t weight_at(const FormatInfo& f, const uint8_t* tile, int k, int c) {
   const int G = f.groups(), g = k / 4, j = k % 4;
   if (f.nibbles) {
-    const uint8_t b = tile[(g % (G / 2)) * 64 + 4 * c + j];
-    return g < G / 2 ? (b & 0xf) : (b >> 4);
+    const uint8_t b = tile[(g / 2) * 64 + 4 * c + j];
+    return g % 2 == 0 ? (b & 0xf) : (b >> 4);
   }
   const uint8_t b = tile[g * 64 + 4 * c + j];
   return f.signed_w ? (int32_t)(int8_t)b : (int32_t)b;
@@ -170,17 +170,16 @@ void superblock_scalar(int fmt, const FormatInfo& f, const uint8_t* tile, const 
   const int off = int_offset(fmt);
   const bool fp_off = has_fp_offset(fmt);
   for (int64_t m = 0; m < a.m; ++m) {
-    const int8_t* xq = a.q + m * a.k + s * f.kb;
-    const int16_t* bs = a.bs + m * (a.k / 16) + s * (f.kb / 16);
-    const float* dx = a.dx + m * (a.k / kActBlock) + s * (f.kb / kActBlock);
+    const int64_t b0 = s * (f.kb / kActBlock);  // the superblock's first activation block
     for (int c = 0; c < kTile; ++c) {
       float& y = acc[m * kTile + c];
       for (int j = 0; j < f.nsub(); ++j) {
-        const int32_t bsum = sub_bsum(bs, j, f.sub);
+        const int32_t bsum = a.bsum(m, s, f.kb, j, f.sub);
         int32_t isum = 0;
-        for (int i = j * f.sub; i < (j + 1) * f.sub; ++i) isum += weight_at(f, tile, i, c) * (int32_t)xq[i];
+        for (int i = j * f.sub; i < (j + 1) * f.sub; ++i)
+          isum += weight_at(f, tile, i, c) * (int32_t)a.qb(b0 + i / kActBlock, m)[i % kActBlock];
         isum -= off * bsum;
-        const float dxj = dx[j * f.sub / kActBlock];
+        const float dxj = a.dx[(b0 + j * f.sub / kActBlock) * a.mp + m];
         y = std::fmaf(dl_of(f, fmt, tile, j, c), (float)isum * dxj, y);
         if (fp_off) y = std::fmaf(-ml_of(f, fmt, tile, j, c), dxj * (float)bsum, y);
       }
@@ -209,7 +208,7 @@ void dequantize_tile(const FormatInfo& f, int fmt, const uint8_t* tile, float* o
   }
 }
 
-void quantize_row(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs) {
+void quantize_row(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs, float* dxb) {
   const int kb = kActBlock;
   for (int64_t b = 0; b < k / kb; ++b) {
     const float* xb = x + b * kb;
@@ -235,6 +234,7 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs) 
     for (int j = 0; j < 16; ++j) sum += q[16 * i + j];
     bs[i] = (int16_t)sum;
   }
+  for (int64_t b = 0; b < k / kb; ++b) dxb[b] = dx[b] * (float)((int32_t)bs[2 * b] + bs[2 * b + 1]);
 }
 
 }  // namespace verispec

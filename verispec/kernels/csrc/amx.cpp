@@ -1,0 +1,178 @@
+// AMX path (AMX-TILE and AMX-INT8, with AVX512 for the fp32 steps): the integer sums of a whole
+// sub for 16 rows and 16 columns come from one tile dot product (tdpbsud: signed activations
+// times unsigned weights; tdpbssd for Q8_0's signed weights), which the VNNI path computes with
+// one dpbusd per row and group of 4 k. The packed layout's groups ([16 columns][4 k] bytes) are
+// already the B-tile layout: Q8_0's weights load straight from the packed tile, 4-bit ones after
+// splitting the nibbles, and Q6_K's and Q5_0's with their integer offset taken off each byte
+// (w - 32 and w - 16 fit int8), so that tdpbssd returns sum q * (w - o) = isum directly, with no
+// per-row offset term. The sums are the contract's exact int32 isum, and the fp32 steps
+// per row and sub are the avx512 path's, in the same order: the bits are the same as on every
+// other path, for any number of rows.
+//
+// Tiles (configured per thread and sub size by amx_configure, released by amx_release):
+//   0-3   C: 16 rows x 16 int32 columns
+//   4, 5  A: 16 rows x sub bytes (activations)
+//   6, 7  B: sub / 4 groups x 64 bytes (weights)
+// A tile reads 16 activation rows, so the caller pads the quantized activations to a multiple of
+// 16 rows (the padding rows' results are never used).
+#pragma GCC target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "qgemm.h"
+
+namespace verispec {
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+TileConfig make_config(int sub) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = (uint8_t)(t < 6 ? 16 : sub / 4);
+    c.colsb[t] = (uint16_t)(t < 4 || t >= 6 ? 64 : sub);
+  }
+  return c;
+}
+
+void unpack_nibbles(const FormatInfo& f, const uint8_t* tile, uint8_t* w) {
+  const int G = f.groups();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int h = 0; h < G / 2; ++h) {
+    const __m512i v = _mm512_loadu_si512(tile + 64 * h);
+    _mm512_store_si512(w + 128 * h, _mm512_and_si512(v, low));
+    _mm512_store_si512(w + 128 * h + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+  }
+}
+
+// dl and ml per sub and column (the same fp32 products as unpack_scales in avx512.cpp).
+inline __m512 u8_as_float(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+
+void unpack_scales(int fmt, const FormatInfo& f, const uint8_t* tile, Unpacked* u) {
+  const uint8_t* s = tile + f.weight_bytes();
+  const uint16_t* d16 = (const uint16_t*)(s + f.scale_bytes());
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)d16));
+  switch (fmt) {
+    case Q4_K: {
+      const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d16 + 16)));
+      for (int j = 0; j < 8; ++j) {
+        _mm512_store_ps(u->dl[j], _mm512_mul_ps(d, u8_as_float(s + 16 * j)));
+        _mm512_store_ps(u->ml[j], _mm512_mul_ps(dmin, u8_as_float(s + 16 * (8 + j))));
+      }
+      return;
+    }
+    case Q6_K:
+      for (int j = 0; j < 16; ++j) {
+        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(s + 16 * j)));
+        _mm512_store_ps(u->dl[j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+      }
+      return;
+    case Q4_1: {
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d16 + 16)));
+      _mm512_store_si512(u->ml[0], _mm512_xor_si512(_mm512_castps_si512(m), _mm512_set1_epi32(INT32_MIN)));
+      _mm512_store_ps(u->dl[0], d);
+      return;
+    }
+    default:
+      _mm512_store_ps(u->dl[0], d);
+      return;
+  }
+}
+
+// Weights minus the integer offset, as int8 (the values fit: 0..63 - 32, 0..31 - 16).
+void unpack_offset(const FormatInfo& f, const uint8_t* tile, int off, uint8_t* w) {
+  const __m512i o = _mm512_set1_epi8((char)off);
+  for (int g = 0; g < f.groups(); ++g)
+    _mm512_store_si512(w + 64 * g, _mm512_sub_epi8(_mm512_loadu_si512(tile + 64 * g), o));
+}
+
+// The integer sums of sub J for 16 rows (activations xa, row stride 32 bytes) into c[16][16]:
+// C tile J % 4, A and B tiles 4 + J % 2 and 6 + J % 2, so consecutive subs share no tile and the
+// loads of one overlap the dot product of the previous.
+// (The tile intrinsics take literal register numbers, hence the macro.)
+#define VERISPEC_SUB_SUMS(C, A, B)                                   \
+  do {                                                               \
+    _tile_zero(C);                                                   \
+    _tile_loadd(A, xa, 32);                                          \
+    _tile_loadd(B, w, 64);                                           \
+    if constexpr (SIGNED) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B); \
+    _tile_stored(C, c, 64);                                          \
+  } while (0)
+
+template <int J, bool SIGNED>
+inline void sub_sums(const int8_t* xa, const uint8_t* w, int32_t* c) {
+  if constexpr (J % 4 == 0) VERISPEC_SUB_SUMS(0, 4, 6);
+  else if constexpr (J % 4 == 1) VERISPEC_SUB_SUMS(1, 5, 7);
+  else if constexpr (J % 4 == 2) VERISPEC_SUB_SUMS(2, 4, 6);
+  else VERISPEC_SUB_SUMS(3, 5, 7);
+}
+#undef VERISPEC_SUB_SUMS
+
+template <int SUB, bool SIGNED, int... J>
+inline void all_sums(const QActs& a, int64_t b0, int64_t m0, const uint8_t* w, int32_t (*c)[16][16],
+                     std::integer_sequence<int, J...>) {
+  constexpr int GPS = SUB / 4;
+  (sub_sums<J, SIGNED>(a.qb(b0 + J * SUB / kActBlock, m0) + J * SUB % kActBlock, w + 64 * GPS * J, &c[J][0][0]), ...);
+}
+
+template <int KB, int SUB, bool SIGNED, bool FPOFF>
+void run(const uint8_t* w, const Unpacked& u, const QActs& a, int64_t s, float* acc) {
+  constexpr int NSUB = KB / SUB;
+  alignas(64) int32_t c[NSUB][16][16];
+  for (int64_t m0 = 0; m0 < a.m; m0 += 16) {
+    const int64_t b0 = s * (KB / kActBlock);
+    all_sums<SUB, SIGNED>(a, b0, m0, w, c, std::make_integer_sequence<int, NSUB>());
+    const int rows = (int)std::min<int64_t>(16, a.m - m0);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t m = m0 + r;
+      const float* dx = a.dx + b0 * a.mp + m;    // block i at dx[i * a.mp]
+      const float* dxb = a.dxb + b0 * a.mp + m;
+      __m512 y = _mm512_loadu_ps(acc + m * kTile);
+      for (int j = 0; j < NSUB; ++j) {
+        const __m512i isum = _mm512_load_si512(c[j][r]);
+        const __m512 dxj = _mm512_set1_ps(dx[j * SUB / kActBlock * a.mp]);
+        y = _mm512_fmadd_ps(_mm512_load_ps(u.dl[j]), _mm512_mul_ps(_mm512_cvtepi32_ps(isum), dxj), y);
+        if (FPOFF) y = _mm512_fnmadd_ps(_mm512_load_ps(u.ml[j]), _mm512_set1_ps(dxb[j * SUB / kActBlock * a.mp]), y);
+      }
+      _mm512_storeu_ps(acc + m * kTile, y);
+    }
+  }
+}
+
+}  // namespace
+
+void amx_configure(int sub) {
+  static const TileConfig c16 = make_config(16), c32 = make_config(32);
+  _tile_loadconfig(sub == 16 ? &c16 : &c32);
+}
+
+void amx_release() { _tile_release(); }
+
+void superblock_amx(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc) {
+  Unpacked u;
+  const uint8_t* w = u.w;
+  if (f.nibbles) unpack_nibbles(f, tile, u.w);
+  else if (int_offset(fmt)) unpack_offset(f, tile, int_offset(fmt), u.w);
+  else w = tile;  // Q8_0
+  unpack_scales(fmt, f, tile, &u);
+  switch (fmt) {
+    case Q4_K: run<256, 32, false, true>(w, u, a, s, acc); break;
+    case Q6_K: run<256, 16, true, false>(w, u, a, s, acc); break;
+    case Q5_0: run<32, 32, true, false>(w, u, a, s, acc); break;
+    case Q4_1: run<32, 32, false, true>(w, u, a, s, acc); break;
+    case Q8_0: run<32, 32, true, false>(w, u, a, s, acc); break;
+  }
+}
+
+}  // namespace verispec
