@@ -125,3 +125,30 @@ def test_bad_input_is_a_clear_error():
         kernels.check_format(FORMATS["Q8_0"], 20, 64)
     with pytest.raises(KernelError, match="multiples of 256"):
         kernels.check_format(FORMATS["Q4_K"], 16, 96)
+
+
+def test_fused_inputs_and_residual():
+    """glu makes silu(gate) * up, norm makes RMSNorm(x) * w, each row alone in fixed float32 steps
+    (so rows stay bit-identical for every row count); residual is added like a separate add."""
+    n, k = 32, 256
+    w = kernels.repack(FORMATS["Q4_K"], random_blocks("Q4_K", n, k, seed=5), n, k)
+    gen = torch.Generator().manual_seed(6)
+    x2 = torch.randn(16, 2 * k, generator=gen)
+    x = torch.randn(16, k, generator=gen)
+    nw, eps = torch.rand(k, generator=gen) + 0.5, 1e-6
+    res = torch.randn(16, n, generator=gen)
+
+    gated = kernels.matmul(x2, [w], glu=True)
+    normed = kernels.matmul(x, [w], norm=(nw, eps))
+    for m in range(1, 17):
+        assert torch.equal(kernels.matmul(x2[:m], [w], glu=True), gated[:m]), m
+        assert torch.equal(kernels.matmul(x[:m], [w], norm=(nw, eps)), normed[:m]), m
+    # the same products as the unfused inputs, up to the rounding of the input's last bits
+    g, u = x2.double().chunk(2, dim=-1)
+    for got, h in ((gated, (g * torch.sigmoid(g) * u).float()),
+                   (normed, (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps) * nw.double()).float())):
+        want = kernels.matmul(h, [w]).double()
+        assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
+    assert torch.equal(kernels.matmul(x, [w], residual=res), kernels.matmul(x, [w]) + res)
+    with pytest.raises(KernelError, match="not both"):
+        kernels.matmul(x2, [w], glu=True, norm=(nw, eps))

@@ -33,9 +33,10 @@ def test_incremental_decoding_equals_full_forward_at_every_step(dtype):
     assert cache.lengths == [24, 24]
 
 
-def test_bf16_rows_are_batch_invariant():
-    """k+1 rows in one pass give bitwise the same logits as one row at a time (bf16)."""
-    model = tiny_model(seed=4, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # float32: native models' activations
+def test_rows_are_batch_invariant(dtype):
+    """k+1 rows in one pass give bitwise the same logits as one row at a time."""
+    model = tiny_model(seed=4, dtype=dtype)
     ids = torch.randint(0, 48, (1, 40), generator=torch.Generator().manual_seed(1))
     one, many = model.new_cache(128, block=16), model.new_cache(128, block=16)
     prefix = torch.arange(20)[None]
@@ -118,23 +119,25 @@ def test_unsupported_architecture_names_it_and_lists_supported():
         DecoderConfig.from_hf({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
 
 
-def test_invariant_linear_rows_equal_one_row_products_at_every_width():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_invariant_linear_rows_equal_one_row_products_at_every_width(dtype):
     """A wide output (the gate/up projection, the LM head) is where CPU GEMMs change blocking
     with the row count: torch 2.13 on an AMX CPU changes a [1, T, 1536] x [17920, 1536] product's
     rows from T = 13. Verify passes of any width must compute each row as a decode step does."""
     from verispec.models.decoder import invariant_linear
 
     torch.manual_seed(0)
-    weight = (torch.randn(17920, 1536) * 0.02).to(torch.bfloat16)
-    bias = torch.randn(17920).to(torch.bfloat16)
-    x = torch.randn(1, 40, 1536).to(torch.bfloat16)
+    weight = (torch.randn(17920, 1536) * 0.02).to(dtype)
+    bias = torch.randn(17920).to(dtype)
+    x = torch.randn(1, 40, 1536).to(dtype)
     one = torch.cat([invariant_linear(x[:, i:i + 1], weight, bias) for i in range(40)], dim=1)
     for t in (2, 9, 13, 16, 17, 33, 40):
         assert torch.equal(invariant_linear(x[:, :t], weight, bias), one[:, :t]), t
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # float32: native models' activations
 @pytest.mark.parametrize("heads, kv_heads", [(12, 2), (14, 2)])  # Qwen2.5 1.5B, 0.5B
-def test_attention_rows_equal_decode_steps_over_long_caches(heads, kv_heads):
+def test_attention_rows_equal_decode_steps_over_long_caches(heads, kv_heads, dtype):
     """A verify pass's attention rows must equal decode steps bitwise, for the chain
     (:func:`grouped_attention`) and the tree form (:func:`row_attention`). On an AMX CPU the
     probs @ V product of 7 tokens x 6 query heads rounded differently from one token's 6 rows
@@ -145,9 +148,9 @@ def test_attention_rows_equal_decode_steps_over_long_caches(heads, kv_heads):
     for s in (512, 768, 1024):
         for t in (2, 5, 7, 9, 12, 17):
             for _ in range(3):
-                q = torch.randn(1, heads, t, 128, generator=gen).to(torch.bfloat16)
-                k = torch.randn(1, kv_heads, s, 128, generator=gen).to(torch.bfloat16)
-                v = torch.randn(1, kv_heads, s, 128, generator=gen).to(torch.bfloat16)
+                q = torch.randn(1, heads, t, 128, generator=gen).to(dtype)
+                k = torch.randn(1, kv_heads, s, 128, generator=gen).to(dtype)
+                v = torch.randn(1, kv_heads, s, 128, generator=gen).to(dtype)
                 mask = torch.zeros(1, 1, t, s, dtype=torch.bool)
                 for i in range(t):
                     mask[..., i, : s - t - 1 + i] = True

@@ -10,8 +10,10 @@ dense; ``VERISPEC_NATIVE=0`` asks for that without trying.
 Contract (stated in full in ``csrc/qgemm.h``): activations are quantized per row in blocks, dot
 products are exact int32 sums, and every output is one fp32 accumulation in a fixed order, with
 threads splitting output columns only. So a row's result is bit-identical whatever the number of
-rows beside it, the thread count and the ISA path (``scalar``, ``avx2``, ``avx512``); the tests
-check all three against each other for M = 1..16 and 1 or 2 threads. The weights are the file's
+rows beside it, the thread count and the ISA path (``scalar``, ``avx2``, ``avx512`` with VNNI,
+``amx`` with AMX-INT8 tiles); the tests check every path the CPU has against the scalar one for
+M = 1..16 (and 23 and 33) rows and 1 or 2 threads. By default a call takes the fastest path for
+its row count (AMX only for wide passes, see ``csrc/ops.cpp``). The weights are the file's
 own: :func:`dequantize` of a packed weight equals ``gguf.quants.dequantize`` of its blocks bit
 for bit.
 """
@@ -124,6 +126,8 @@ def supported_isas() -> list[str]:
 
 
 def best_isa() -> str:
+    """The most capable path this CPU runs (a call picks per row count among those, see
+    :func:`matmul`)."""
     return supported_isas()[-1]
 
 
@@ -185,22 +189,34 @@ def dequantize(w: PackedWeight) -> Tensor:
 
 
 def matmul(x: Tensor, weights: list[PackedWeight], isa: str | None = None, *, bias: Tensor | None = None,
-           out_dtype: torch.dtype = torch.float32) -> Tensor:
+           out_dtype: torch.dtype = torch.float32, glu: bool = False, norm: tuple[Tensor, float] | None = None,
+           residual: Tensor | None = None) -> Tensor:
     """``x [M, K]`` (float32 or bfloat16) times the weights stacked along the output dim, plus
-    ``bias`` (float32) if given: ``[M, sum n]`` in ``out_dtype`` (float32 or bfloat16).
+    ``bias`` (float32) and ``residual`` (``[M, sum n]`` in ``out_dtype``) if given, added in
+    float32 and rounded once: ``[M, sum n]`` in ``out_dtype`` (float32 or bfloat16).
+
+    The layer's input can be made from ``x`` row by row before it is quantized, in fixed float32
+    steps (so rows stay invariant): ``glu`` takes ``x [M, 2K]`` and multiplies
+    ``silu(x[:, :K]) * x[:, K:]`` (a SwiGLU MLP's down projection); ``norm = (weight, eps)``
+    multiplies ``RMSNorm(x) * weight``. Fusing them saves the separate PyTorch ops and their
+    memory traffic in a decode step.
 
     Activations are quantized once, for all the weights, and one parallel region covers all
-    their tiles. ``isa`` forces a path (``scalar``, ``avx2``, ``avx512``; tests use it); None
-    picks the best this CPU runs.
+    their tiles. ``isa`` forces a path (``scalar``, ``avx2``, ``avx512``, ``amx``; tests use it);
+    None picks the fastest this CPU runs for the row count.
     """
     if x.dim() != 2:
         raise KernelError(f"matmul takes x [M, K], got shape {tuple(x.shape)}")
-    k = x.shape[1]
+    k = x.shape[1] // 2 if glu else x.shape[1]
     if any(w.k != k for w in weights):
         raise KernelError(f"input has {k} features but a weight takes {[w.k for w in weights]}")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise KernelError(f"the kernels write float32 or bfloat16, not {out_dtype}")
     if x.dtype not in (torch.float32, torch.bfloat16):
         x = x.float()
+    if glu and norm is not None:
+        raise KernelError("a layer's input is gated (glu) or normed, not both")
+    norm_w, eps = (None, 0.0) if norm is None else (norm[0].float().contiguous(), float(norm[1]))
     return _lib().linear(x, [w.fmt for w in weights], [w.data for w in weights], [w.n for w in weights],
-                         bias, out_dtype == torch.bfloat16, -1 if isa is None else ISAS[isa])
+                         bias, out_dtype == torch.bfloat16, -1 if isa is None else ISAS[isa],
+                         glu, norm_w, eps, residual)

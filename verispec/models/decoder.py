@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from verispec.models.kv_cache import KVCache
+from verispec.models.native import NativeLinear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -199,7 +200,10 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     that row. Padding costs little there (the product is bound by reading the weight, and AMX
     computes 16 rows in about the time of one: +1-7% per layer, 25 -> 38 ms for the 151936-wide
     tied LM head of a bf16 model); without native bf16 a multi-row bf16 product is compute bound,
-    the kernels there keep rows invariant unpadded (tested), and none is added.
+    the kernels there keep rows invariant unpadded (tested), and none is added. float32 rows are
+    padded on every CPU: torch 2.13's float32 GEMM on the AMX Xeon changed rows with the row count
+    in all three of the linear, attention and whole-model tests, and native models run their
+    activations (attention included) in float32.
     """
     if torch.compiler.is_compiling():
         # The compiled steps pad rows to their own buckets, and inductor's code for the plain
@@ -221,8 +225,9 @@ def invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
 
 def _by_row_chunks(x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
     """``fn`` applied to ``x [..., M, K]`` ``ROW_CHUNK`` rows (dim -2) at a time, each chunk of
-    bf16 rows zero-padded to ``ROW_CHUNK`` on CPUs with native bf16; ``fn`` must be row-wise."""
-    pad = x.device.type == "cpu" and x.dtype == torch.bfloat16 and cpu_has_native_bf16()
+    float32 rows, and of bf16 rows on CPUs with native bf16, zero-padded to ``ROW_CHUNK``; ``fn``
+    must be row-wise."""
+    pad = x.device.type == "cpu" and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and cpu_has_native_bf16()))
     outs = []
     for rows in x.split(ROW_CHUNK, dim=-2):
         n = rows.shape[-2]
@@ -356,7 +361,11 @@ class DecoderLayer(nn.Module):
     def attention_inputs(self, x: Tensor, cos: Tensor, sin: Tensor, prefill: bool) -> tuple[Tensor, Tensor, Tensor]:
         """Norm, fused q/k/v projection and RoPE: q [B, H, T, D], k and v [B, Hkv, T, D]. Row-wise."""
         b, t, _ = x.shape
-        q, k, v = linear(self.qkv, self.input_norm(x), prefill).split(self.split, dim=-1)
+        if not prefill and isinstance(self.qkv, NativeLinear):  # the kernels apply the norm
+            qkv = self.qkv(x, norm=self.input_norm)
+        else:
+            qkv = linear(self.qkv, self.input_norm(x), prefill)
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -364,6 +373,10 @@ class DecoderLayer(nn.Module):
 
     def output(self, x: Tensor, attn: Tensor, prefill: bool) -> Tensor:
         """Output projection and MLP, each with its residual; attn is [B, T, H*D]. Row-wise."""
+        if not prefill and all(isinstance(m, NativeLinear) for m in (self.o_proj, self.gate_up, self.down)):
+            # the kernels add the residuals, apply the norm and make silu(gate) * up themselves
+            x = self.o_proj(attn, residual=x)
+            return self.down(self.gate_up(x, norm=self.post_attn_norm), glu=True, residual=x)
         x = x + linear(self.o_proj, attn, prefill)
         gate, up = linear(self.gate_up, self.post_attn_norm(x), prefill).chunk(2, dim=-1)
         return x + linear(self.down, F.silu(gate) * up, prefill)

@@ -185,8 +185,8 @@ def load_model(
     download or conversion. A bundled model is fetched if needed; a GGUF file is converted on
     first use (``progress`` shows a progress bar on stderr for both). ``quantization``:
     ``auto`` runs a GGUF file's own quantized weights on the native CPU kernels where they are
-    available (``gguf``, see :mod:`verispec.models.native`) and loads anything else dense
-    (``none``); ``int8`` or ``int4`` (with ``group_size``) pack the linear layers after loading,
+    available (``gguf``, see :mod:`verispec.models.native`; with ``dtype="auto"`` its
+    activations are then float32) and loads anything else dense (``none``); ``int8`` or ``int4`` (with ``group_size``) pack the linear layers after loading,
     see :func:`verispec.models.quant.quantize_`.
     """
     dev = resolve_device(device)
@@ -199,13 +199,15 @@ def load_model(
         raise ModelLoadError(f"quantization 'gguf' runs a GGUF file's own weights, and {spec!s} is not a GGUF file")
     if gguf_path is not None and (quantization == "gguf" or (quantization == "auto" and dev.type == "cpu")):
         from verispec import kernels
-        from verispec.models.native import use_gguf_weights_
+        from verispec.models.native import float_activations_, use_gguf_weights_
 
         if quantization == "gguf" or kernels.available():
             try:
                 use_gguf_weights_(loaded.model, gguf_path)
             except KernelError as exc:
                 raise ModelLoadError(str(exc)) from None
+            if isinstance(dtype, str) and dtype.strip().lower() == "auto":
+                float_activations_(loaded.model)
     quantize_(loaded.model, quantization, group_size)
     return loaded
 

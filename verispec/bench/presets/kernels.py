@@ -13,6 +13,12 @@ Sections:
   bandwidth.
 * ``model``: the whole model on a short chat prompt: a pass of T positions against a decode
   step (T = 1), batch-8 decode throughput against batch 1, and a 700-token prompt's prefill.
+* ``llama``: the same GGUF file through llama.cpp (the ``llama-cpp-python`` package, if it is
+  installed; the section says so and is skipped if not), with the same threads, interleaved
+  with verispec: a decode step, a 9-position pass, a 700-token prefill, and greedy generation
+  of 64 tokens from the chat prompt (plain decoding end to end: llama.cpp's own sampling loop
+  against verispec's engine). Each timed call first sleeps ``SETTLE`` seconds, so that neither
+  runtime's worker threads are still spinning from the other's previous call.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from verispec import kernels
 
 ROWS = (1, 2, 4, 8, 9, 16)
+SETTLE = 0.2  # seconds before each timed call of the llama section
 POSITIONS = (1, 2, 4, 9, 16)
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8")
 
@@ -48,13 +55,15 @@ def cpu_description() -> str:
     return f"{model} ({' '.join(f for f in FLAGS if f in flags) or 'flags unknown'})"
 
 
-def interleaved(configs: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """Seconds per call of each configuration, timed round-robin ``repeats`` times after a warm-up."""
+def interleaved(configs: dict[str, Callable[[], object]], repeats: int, settle: float = 0.0) -> dict[str, list[float]]:
+    """Seconds per call of each configuration, timed round-robin ``repeats`` times after a
+    warm-up, each call after ``settle`` seconds of sleep."""
     for fn in configs.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(repeats):
         for name, fn in configs.items():
+            time.sleep(settle)
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
@@ -147,6 +156,89 @@ def bench_model(loaded, repeats: int) -> dict:
     }
 
 
+def bench_llama(loaded, gguf_path, threads: int, repeats: int) -> dict | None:
+    """verispec against llama.cpp on the same file and threads (see the module docstring); None
+    when llama-cpp-python is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    from verispec.engine.engine import Engine
+    from verispec.config import SamplingParams
+
+    model = loaded.model
+    prompt = loaded.tokenizer.apply_chat_template("Write a Python function that checks whether a string is a palindrome.")
+    n0 = len(prompt)
+    long_ids = (prompt * (700 // n0 + 1))[:700]
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=1024, n_batch=1024, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    llm.eval(prompt)
+    cache = model.new_cache(1024)
+    model(torch.tensor([prompt]), torch.arange(n0)[None], cache)
+
+    def llama_pass(t: int) -> Callable[[], object]:
+        def run():
+            llm.n_tokens = n0  # eval() drops the cache past n_tokens first
+            llm.eval([42] * t)
+        return run
+
+    def ours_pass(t: int) -> Callable[[], object]:
+        toks, pos = torch.full((1, t), 42), torch.arange(n0, n0 + t)[None]
+
+        def run():
+            model(toks, pos, cache)
+            cache.truncate(0, n0)
+        return run
+
+    def llama_prefill():
+        llm.reset()
+        llm.eval(long_ids)
+
+    def ours_prefill():
+        model(torch.tensor([long_ids]), torch.arange(700)[None], model.new_cache(768), num_logits=1, prefill=True)
+
+    engine = Engine(loaded, max_model_len=1024)
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    generated = {}
+
+    def llama_generate():
+        llm.reset()
+        out = []
+        for tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            if tok == llm.token_eos():
+                break
+            out.append(tok)
+            if len(out) == 64:
+                break
+        generated["llama.cpp"] = out
+
+    def ours_generate():
+        generated["verispec"] = engine.generate(prompt, greedy).output_ids
+
+    configs = {}
+    for what, ours, theirs in (("step", ours_pass(1), llama_pass(1)), ("pass 9", ours_pass(9), llama_pass(9)),
+                               ("prefill 700", ours_prefill, llama_prefill),
+                               ("generate 64", ours_generate, llama_generate)):
+        configs[f"verispec {what}"] = ours
+        configs[f"llama.cpp {what}"] = theirs
+    times = interleaved(configs, repeats, settle=SETTLE)
+    same = 0
+    for a, b in zip(generated["verispec"], generated["llama.cpp"]):
+        if a != b:
+            break
+        same += 1
+    out = {"llama_cpp_python": llama_cpp.__version__, "same_greedy_tokens": same}
+    for what in ("step", "pass 9", "prefill 700", "generate 64"):
+        out[what] = {
+            "verispec_s": statistics.median(times[f"verispec {what}"]),
+            "llama_s": statistics.median(times[f"llama.cpp {what}"]),
+            # speed of verispec relative to llama.cpp: > 1 is faster
+            "speed_vs_llama": ratio(times, f"llama.cpp {what}", f"verispec {what}"),
+        }
+    out["llama_pass9_over_step"] = ratio(times, "llama.cpp pass 9", "llama.cpp step")
+    return out
+
+
 def _fmt(r: tuple[float, float, float]) -> str:
     return f"{r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f})"
 
@@ -157,14 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a bundled model or GGUF file")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--sections", default="bandwidth,shapes,model", help="comma-separated subset")
+    p.add_argument("--sections", default="bandwidth,shapes,model,llama", help="comma-separated subset")
     args = p.parse_args(argv)
     from verispec.models.loader import load_model
     from verispec.models.native import is_native
 
     torch.set_num_threads(args.threads)
     sections = set(args.sections.split(","))
-    print(f"CPU: {cpu_description()}; threads {args.threads}; kernel path {kernels.best_isa()}")
+    print(f"CPU: {cpu_description()}; threads {args.threads}; kernel paths {', '.join(kernels.supported_isas())}")
     loaded = load_model(args.model, quantization="gguf", progress=False)
     assert is_native(loaded.model)
     result: dict = {"cpu": cpu_description(), "threads": args.threads, "isa": kernels.best_isa(), "model": args.model}
@@ -186,6 +278,23 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"T={t}: {_fmt(r)}" for t, r in m["verify"].items()))
         print(f"batch-8 decode throughput / batch 1: {_fmt(tuple(m['batch8_throughput']))}; "
               f"prefill of 700 tokens: {m['prefill_700_s']:.2f} s")
+    if "llama" in sections:
+        from verispec.models.registry import fetch
+
+        path = args.model if str(args.model).endswith(".gguf") else fetch(args.model, progress=False)
+        lm = bench_llama(loaded, path, args.threads, args.repeats)
+        result["llama"] = lm
+        if lm is None:
+            print("\nllama.cpp: skipped (pip install llama-cpp-python to compare)")
+        else:
+            print(f"\nllama.cpp (llama-cpp-python {lm['llama_cpp_python']}), same file and threads; "
+                  "verispec speed relative to llama.cpp (> 1 is faster):")
+            for what in ("step", "pass 9", "prefill 700", "generate 64"):
+                r = lm[what]
+                print(f"  {what}: verispec {r['verispec_s'] * 1e3:.1f} ms, llama.cpp {r['llama_s'] * 1e3:.1f} ms, "
+                      f"speed {_fmt(r['speed_vs_llama'])}")
+            print(f"  llama.cpp's own 9-position pass / decode step: {_fmt(lm['llama_pass9_over_step'])}; "
+                  f"greedy outputs agree on their first {lm['same_greedy_tokens']} tokens")
     print(json.dumps(result, default=str))
     return 0
 

@@ -85,7 +85,7 @@ static void rows_block(const uint8_t* tile, const Unpacked& u, const QActs& a, i
   constexpr int NSUB = KB / SUB, GPS = SUB / 4;
   const int64_t b0 = s * (KB / kActBlock);
   __m512 y[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int r = 0; r < R; ++r) y[r] = _mm512_loadu_ps(acc + (m0 + r) * kTile);
   // With few rows, each row's sum runs in P partial chains (groups g % P), added at the end:
   // integer sums, so the split cannot change a result, and the chains overlap their latency.
@@ -94,16 +94,16 @@ static void rows_block(const uint8_t* tile, const Unpacked& u, const QActs& a, i
     const int64_t blk = b0 + j * SUB / kActBlock;
     const int8_t* xj = a.qb(blk, m0) + j * SUB % kActBlock;  // row r at xj + 32 r
     __m512i part[P][R];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r)
       for (int p = 0; p < P; ++p) part[p][r] = _mm512_setzero_si512();
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int gg = 0; gg < GPS; gg += 2) {  // GPS is a multiple of P, so g % P == gg % P
       const int g = j * GPS + gg;
       __m512i w0, w1;
       __mmask64 n0 = 0, n1 = 0;
       group_pair<NIB, SIGNED>(tile, g, &w0, &w1, &n0, &n1);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
         __m512i x0 = bcast4(xj + kActBlock * r + 4 * gg), x1 = bcast4(xj + kActBlock * r + 4 * gg + 4);
         if (SIGNED) {
@@ -115,13 +115,13 @@ static void rows_block(const uint8_t* tile, const Unpacked& u, const QActs& a, i
       }
     }
     __m512i isum[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       isum[r] = part[0][r];
       for (int p = 1; p < P; ++p) isum[r] = _mm512_add_epi32(isum[r], part[p][r]);
     }
     const __m512 dl = _mm512_load_ps(u.dl[j]);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       if (OFF) isum[r] = _mm512_sub_epi32(isum[r], _mm512_set1_epi32(OFF * a.bsum(m0 + r, s, KB, j, SUB)));
       const __m512 dxj = _mm512_set1_ps(a.dx[blk * a.mp + m0 + r]);
@@ -129,22 +129,23 @@ static void rows_block(const uint8_t* tile, const Unpacked& u, const QActs& a, i
       if (FPOFF) y[r] = _mm512_fnmadd_ps(_mm512_load_ps(u.ml[j]), _mm512_set1_ps(a.dxb[blk * a.mp + m0 + r]), y[r]);
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (m0 + r) * kTile, y[r]);
 }
 
 template <int KB, int SUB, bool NIB, bool SIGNED, int OFF, bool FPOFF>
 static void rows(const uint8_t* tile, const Unpacked& u, const QActs& a, int64_t s, float* acc) {
+  // Blocks of 8 rows, and the rest in one block: up to 12 rows fit the 32 zmm registers (12
+  // accumulators, 12 sums, the weights), so a 9-row verify pass is one block, not 8 + 1 (a lone
+  // row runs at its latency-bound cost, about 2.4 rows' worth in a block).
   int64_t m = 0;
-  for (; m + 8 <= a.m; m += 8) rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 8>(tile, u, a, s, acc, m);
+  for (; a.m - m > 12; m += 8) rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 8>(tile, u, a, s, acc, m);
   switch (a.m - m) {
-    case 1: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 1>(tile, u, a, s, acc, m); break;
-    case 2: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 2>(tile, u, a, s, acc, m); break;
-    case 3: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 3>(tile, u, a, s, acc, m); break;
-    case 4: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 4>(tile, u, a, s, acc, m); break;
-    case 5: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 5>(tile, u, a, s, acc, m); break;
-    case 6: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 6>(tile, u, a, s, acc, m); break;
-    case 7: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, 7>(tile, u, a, s, acc, m); break;
+#define VERISPEC_ROWS(R) \
+    case R: rows_block<KB, SUB, NIB, SIGNED, OFF, FPOFF, R>(tile, u, a, s, acc, m); break;
+    VERISPEC_ROWS(1) VERISPEC_ROWS(2) VERISPEC_ROWS(3) VERISPEC_ROWS(4) VERISPEC_ROWS(5) VERISPEC_ROWS(6)
+    VERISPEC_ROWS(7) VERISPEC_ROWS(8) VERISPEC_ROWS(9) VERISPEC_ROWS(10) VERISPEC_ROWS(11) VERISPEC_ROWS(12)
+#undef VERISPEC_ROWS
   }
 }
 

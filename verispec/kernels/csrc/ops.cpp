@@ -10,6 +10,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -130,53 +131,89 @@ torch::Tensor dequantize(int64_t fmt, torch::Tensor packed, int64_t n, int64_t k
 }
 
 // x: float32 or bfloat16 [M, K] -> the QActs arrays, block-major over mp rows (M rounded up to a
-// multiple of 16, the extra rows zero): q int8 [K / 32, mp, 32], dx float32 [K / 32, mp],
-// bs int16 [K / 16, mp], dxb float32 [K / 32, mp]. Each row is quantized alone (quantize_row).
-std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && (x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16),
-              "activations must be float32 or bfloat16 [M, K]");
-  x = x.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), mp = (m + 15) / 16 * 16, nb = k / kActBlock;
-  TORCH_CHECK(k % kActBlock == 0, "input features ", k, " are not a multiple of ", kActBlock);
-  auto q = torch::zeros({nb, mp, kActBlock}, torch::kInt8);
-  auto dx = torch::zeros({nb, mp}, torch::kFloat32);
-  auto bs = torch::zeros({k / 16, mp}, torch::kInt16);
-  auto dxb = torch::zeros({nb, mp}, torch::kFloat32);
-  std::vector<float> row(x.dtype() == torch::kBFloat16 ? k : 0), rdx(nb), rdxb(nb);
-  std::vector<int8_t> rq(k);
-  std::vector<int16_t> rbs(k / 16);
-  int8_t* pq = q.data_ptr<int8_t>();
-  float* pdx = dx.data_ptr<float>();
-  float* pdxb = dxb.data_ptr<float>();
-  int16_t* pbs = bs.data_ptr<int16_t>();
-  for (int64_t i = 0; i < m; ++i) {
-    const float* xr;
-    if (x.dtype() == torch::kBFloat16) {  // bf16 -> float32 is exact
-      const at::BFloat16* src = x.data_ptr<at::BFloat16>() + i * k;
-      for (int64_t j = 0; j < k; ++j) row[j] = static_cast<float>(src[j]);
-      xr = row.data();
-    } else {
-      xr = x.data_ptr<float>() + i * k;
-    }
-    quantize_row(xr, k, rq.data(), rdx.data(), rbs.data(), rdxb.data());
-    for (int64_t b = 0; b < nb; ++b) {
-      std::memcpy(pq + (b * mp + i) * kActBlock, rq.data() + b * kActBlock, kActBlock);
-      pdx[b * mp + i] = rdx[b];
-      pdxb[b * mp + i] = rdxb[b];
-    }
-    for (int64_t b = 0; b < k / 16; ++b) pbs[b * mp + i] = rbs[b];
+// multiple of 16; the extra rows of q are zero): q int8 [K / 32][mp][32], dx float32
+// [K / 32][mp], bs int16 [K / 16][mp], dxb float32 [K / 32][mp]. Each row is quantized alone
+// (quantize_row). The storage is the calling thread's, reused from call to call (a decode step
+// makes over a hundred calls; allocating and zeroing fresh tensors cost about 1.5 ms of it).
+struct ActBuffers {
+  std::vector<int8_t> q, rq;
+  std::vector<float> dx, dxb, in, row, rdx, rdxb;
+  std::vector<int16_t> bs, rbs;
+};
+
+// The row a layer multiplies, made from its input row xr (see linear's in_glu and norm_w); the
+// fp32 steps are fixed, one row at a time, so they are row invariant like the rest.
+void input_row(const float* xr, int64_t k, bool glu, const float* norm_w, float eps, float* row) {
+  if (glu) {  // silu(gate) * up, gate = xr[0, k), up = xr[k, 2k)
+    for (int64_t j = 0; j < k; ++j) row[j] = xr[j] / (1.0f + std::exp(-xr[j])) * xr[k + j];
+  } else if (row != xr) {
+    std::memcpy(row, xr, (size_t)k * sizeof(float));
   }
-  return {q, dx, bs, dxb};
+  if (norm_w) {  // RMSNorm: row * (1 / sqrt(mean(row^2) + eps)) * w, the sum in k order
+    float ss = 0.0f;
+    for (int64_t j = 0; j < k; ++j) ss += row[j] * row[j];
+    const float inv = 1.0f / std::sqrt(ss / (float)k + eps);
+    for (int64_t j = 0; j < k; ++j) row[j] = row[j] * inv * norm_w[j];
+  }
 }
 
-// y = x @ W.T (+ bias) for W the packed parts stacked along the output dim: [M, sum n], float32
-// or, with out_bf16, rounded to bfloat16 (to nearest even, as torch's cast). The activations are
-// quantized once and all parts' tiles share one parallel region, split in contiguous ranges.
+QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float eps, ActBuffers& buf) {
+  TORCH_CHECK(x.dim() == 2 && (x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16),
+              "activations must be float32 or bfloat16 [M, K]");
+  TORCH_CHECK(x.is_contiguous(), "activations must be contiguous");
+  TORCH_CHECK(!glu || x.size(1) % 2 == 0, "a gated input has an even number of features");
+  const int64_t m = x.size(0), kin = x.size(1), k = glu ? kin / 2 : kin, mp = (m + 15) / 16 * 16, nb = k / kActBlock;
+  TORCH_CHECK(k % kActBlock == 0, "input features ", k, " are not a multiple of ", kActBlock);
+  buf.q.resize((size_t)(nb * mp * kActBlock));
+  buf.dx.resize((size_t)(nb * mp));
+  buf.dxb.resize((size_t)(nb * mp));
+  buf.bs.resize((size_t)(k / 16 * mp));
+  buf.rq.resize((size_t)k);
+  buf.rdx.resize((size_t)nb);
+  buf.rdxb.resize((size_t)nb);
+  buf.rbs.resize((size_t)(k / 16));
+  const bool bf16 = x.dtype() == torch::kBFloat16, transform = glu || norm_w;
+  if (bf16) buf.in.resize((size_t)kin);
+  if (transform) buf.row.resize((size_t)k);
+  int8_t* pq = buf.q.data();
+  for (int64_t i = 0; i < m; ++i) {
+    const float* xr;
+    if (bf16) {  // bf16 -> float32 is exact
+      const at::BFloat16* src = x.data_ptr<at::BFloat16>() + i * kin;
+      for (int64_t j = 0; j < kin; ++j) buf.in[j] = static_cast<float>(src[j]);
+      xr = buf.in.data();
+    } else {
+      xr = x.data_ptr<float>() + i * kin;
+    }
+    if (transform) {
+      input_row(xr, k, glu, norm_w, eps, buf.row.data());
+      xr = buf.row.data();
+    }
+    quantize_row(xr, k, buf.rq.data(), buf.rdx.data(), buf.rbs.data(), buf.rdxb.data());
+    for (int64_t b = 0; b < nb; ++b) {
+      std::memcpy(pq + (b * mp + i) * kActBlock, buf.rq.data() + b * kActBlock, kActBlock);
+      buf.dx[b * mp + i] = buf.rdx[b];
+      buf.dxb[b * mp + i] = buf.rdxb[b];
+    }
+    for (int64_t b = 0; b < k / 16; ++b) buf.bs[b * mp + i] = buf.rbs[b];
+  }
+  if (mp > m)  // AMX's A tiles read the padding rows (their results are never used)
+    for (int64_t b = 0; b < nb; ++b) std::memset(pq + (b * mp + m) * kActBlock, 0, (size_t)((mp - m) * kActBlock));
+  return QActs{pq, buf.dx.data(), buf.bs.data(), buf.dxb.data(), m, k, mp};
+}
+
+// y = h @ W.T (+ bias) (+ residual) for W the packed parts stacked along the output dim:
+// [M, sum n], float32 or, with out_bf16, rounded to bfloat16 (to nearest even, as torch's cast),
+// where h is x, or with in_glu silu(x[:, :K]) * x[:, K:], or with norm_w RMSNorm(x) (see
+// input_row). The activations are quantized once and all parts' tiles share one parallel region,
+// split in contiguous ranges; bias and residual are added in fp32 in that order, then rounded.
 torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<torch::Tensor> packed,
-                     std::vector<int64_t> ns, c10::optional<torch::Tensor> bias, bool out_bf16, int64_t isa) {
+                     std::vector<int64_t> ns, c10::optional<torch::Tensor> bias, bool out_bf16, int64_t isa,
+                     bool in_glu, c10::optional<torch::Tensor> norm_w, double eps,
+                     c10::optional<torch::Tensor> residual) {
   TORCH_CHECK(!fmts.empty() && fmts.size() == packed.size() && fmts.size() == ns.size(), "parts do not match");
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
-  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t m = x.size(0), k = in_glu ? x.size(1) / 2 : x.size(1);
   struct Part { FormatInfo f; int fmt; const uint8_t* w; int64_t tile0, col0; };
   std::vector<Part> parts;
   int64_t tiles = 0, cols = 0;
@@ -193,12 +230,27 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
                 "bias must be float32 [", cols, "]");
     b = bias->data_ptr<float>();
   }
+  const float* nw = nullptr;
+  if (norm_w.has_value()) {
+    TORCH_CHECK(!in_glu, "a layer's input is normed or gated, not both");
+    TORCH_CHECK(norm_w->dtype() == torch::kFloat32 && norm_w->is_contiguous() && norm_w->numel() == k,
+                "norm weight must be float32 [", k, "]");
+    nw = norm_w->data_ptr<float>();
+  }
+  const auto out_type = out_bf16 ? torch::kBFloat16 : torch::kFloat32;
+  torch::Tensor res;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == m && residual->size(1) == cols &&
+                residual->dtype() == out_type, "residual must be [", m, ", ", cols, "] in the output dtype");
+    res = residual->contiguous();
+  }
+  const float* r32 = res.defined() && !out_bf16 ? res.data_ptr<float>() : nullptr;
+  const at::BFloat16* r16 = res.defined() && out_bf16 ? res.data_ptr<at::BFloat16>() : nullptr;
   const int use = isa < 0 ? best_isa(m) : (int)isa;
   const SuperblockFn fn = kernel_for(use);
-  const auto acts = quantize_rows(x);
-  const QActs a{acts[0].data_ptr<int8_t>(), acts[1].data_ptr<float>(), acts[2].data_ptr<int16_t>(),
-                acts[3].data_ptr<float>(), m, k, acts[0].size(1)};
-  auto out = torch::empty({m, cols}, out_bf16 ? torch::kBFloat16 : torch::kFloat32);
+  thread_local ActBuffers buffers;
+  const QActs a = quantize_rows(x.contiguous(), in_glu, nw, (float)eps, buffers);
+  auto out = torch::empty({m, cols}, out_type);
   at::BFloat16* y16 = out_bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   float* y32 = out_bf16 ? nullptr : out.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -218,12 +270,14 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
         // waiting at the start of each superblock (most of the time at M = 16, by profile), so
         // ask for the superblock kPrefetchAhead places on (in memory order, across tiles).
         const uint8_t* next = tile + (s + kPrefetchAhead) * tb;
-        for (int64_t b = 0; b < tb; b += 64) __builtin_prefetch(next + b, 0, 3);
+        for (int64_t off = 0; off < tb; off += 64) __builtin_prefetch(next + off, 0, 3);
         fn(part.fmt, part.f, tile + s * tb, a, s, acc.data());
       }
       for (int64_t i = 0; i < m; ++i)
         for (int c = 0; c < kTile; ++c) {
-          const float v = b ? acc[i * kTile + c] + b[col + c] : acc[i * kTile + c];
+          float v = b ? acc[i * kTile + c] + b[col + c] : acc[i * kTile + c];
+          if (r32) v += r32[i * cols + col + c];
+          else if (r16) v += static_cast<float>(r16[i * cols + col + c]);
           if (y16) y16[i * cols + col + c] = at::BFloat16(v);
           else y32[i * cols + col + c] = v;
         }
