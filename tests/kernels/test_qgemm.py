@@ -152,3 +152,51 @@ def test_fused_inputs_and_residual():
     assert torch.equal(kernels.matmul(x, [w], residual=res), kernels.matmul(x, [w]) + res)
     with pytest.raises(KernelError, match="not both"):
         kernels.matmul(x2, [w], glu=True, norm=(nw, eps))
+
+
+def _reference_attention(q, k, v, mask, scale):
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1).double(), v.repeat_interleave(g, dim=1).double()
+    scores = (q.double() @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).float()
+
+
+def test_attention_rows_depend_only_on_their_own_keys():
+    """A row's bits do not change with the rows beside it, with the number of cache entries the
+    pass spans past its keys (torch's float32 matmuls did, from 512 keys on), with the thread
+    count, or when its keys are scattered in the cache (a tree pass) rather than contiguous."""
+    gen = torch.Generator().manual_seed(7)
+    b, h, hkv, t, d, n0 = 1, 12, 2, 9, 128, 500
+    q = torch.randn(b, h, t, d, generator=gen)
+    k = torch.randn(b, hkv, 560, d, generator=gen)
+    v = torch.randn(b, hkv, 560, d, generator=gen)
+    scale = d**-0.5
+    span = 528  # a verify pass's attend length; a decode step at row i spans its own round-up
+    mask = torch.zeros(b, t, span, dtype=torch.bool)
+    for i in range(t):
+        mask[:, i, : n0 + i + 1] = True
+    whole = kernels.attention(q, k[:, :, :span], v[:, :, :span], mask, scale)
+    for i in range(t):
+        own = -(-(n0 + i + 1) // 16) * 16
+        step = kernels.attention(q[:, :, i : i + 1], k[:, :, :own], v[:, :, :own], mask[:, i : i + 1, :own], scale)
+        assert torch.equal(whole[:, :, i : i + 1], step), i
+    assert torch.equal(with_threads(1, lambda: kernels.attention(q, k[:, :, :span], v[:, :, :span], mask, scale)), whole)
+    want = _reference_attention(q, k[:, :, :span], v[:, :, :span], mask, scale)
+    assert ((whole - want).norm() / want.norm()).item() < 1e-5
+
+    # a tree row: the cached prefix and ancestors 500, 502, 505 (of draft entries 500..508)
+    tree = torch.zeros(b, 1, span, dtype=torch.bool)
+    tree[..., :n0] = True
+    tree[..., [500, 502, 505]] = True
+    keep = tree[0, 0].nonzero().flatten()
+    packed_k, packed_v = k[:, :, keep], v[:, :, keep]  # the same keys, contiguous, as after acceptance
+    step_mask = torch.ones(b, 1, len(keep), dtype=torch.bool)
+    assert torch.equal(kernels.attention(q[:, :, :1], k[:, :, :span], v[:, :, :span], tree, scale),
+                       kernels.attention(q[:, :, :1], packed_k, packed_v, step_mask, scale))
+
+
+def test_attention_bad_input_is_a_clear_error():
+    q = torch.randn(1, 2, 1, 24)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.attention(q, torch.randn(1, 1, 4, 24), torch.randn(1, 1, 4, 24), torch.ones(1, 1, 4, dtype=torch.bool), 1.0)

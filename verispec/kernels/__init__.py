@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ref.cpp", "avx2.cpp", "avx512.cpp", "amx.cpp", "ops.cpp")
+SOURCES = ("ref.cpp", "avx2.cpp", "avx512.cpp", "amx.cpp", "attention.cpp", "ops.cpp")
 # -fopenmp: at::parallel_for is a header template that is serial unless compiled with OpenMP; it
 # then runs on torch's own OpenMP threads. -ffp-contract=off: the scalar reference's multiplies
 # and adds stay as written, so the SIMD paths can match it bit for bit.
@@ -220,3 +220,11 @@ def matmul(x: Tensor, weights: list[PackedWeight], isa: str | None = None, *, bi
     return _lib().linear(x, [w.fmt for w in weights], [w.data for w in weights], [w.n for w in weights],
                          bias, out_dtype == torch.bfloat16, -1 if isa is None else ISAS[isa],
                          glu, norm_w, eps, residual)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Attention of ``q [B, H, T, D]`` over ``k, v [B, Hkv, S, D]`` where ``mask [B, T, S]``
+    (bool) is True, all float32: ``[B, H, T, D]``. Each row reduces over its own attended keys in
+    cache order, in fixed float32 steps (``csrc/attention.cpp``), so its bits depend only on the
+    row, its keys and its values: not on the rows beside it, on S or on the thread count."""
+    return _lib().attention(q, k, v, mask, float(scale))

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from verispec.models.kv_cache import KVCache
+from verispec import kernels
 from verispec.models.native import NativeLinear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -287,12 +288,23 @@ class RowKeys:
 
     index: Tensor  # [B, T, S] int64
     mask: Tensor  # [B, T, S] bool
+    attend: Tensor | None = None  # [B, T, S] bool: the mask in cache order, True = attend
 
     @classmethod
     def from_mask(cls, mask: Tensor) -> RowKeys:
         """From a ``[B, T, S]`` bool mask (True = attend)."""
         index = torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices  # [B, T, S]
-        return cls(index, mask.gather(-1, index))
+        return cls(index, mask.gather(-1, index), mask)
+
+
+def native_attention(q: Tensor, prefill: bool) -> bool:
+    """Whether a pass's attention runs on :func:`verispec.kernels.attention`: float32 decode,
+    verify and tree passes on a CPU with the native kernels. torch's float32 matmuls change a
+    row's bits with the number of keys a pass attends over (see ``csrc/attention.cpp``); the
+    native kernel's rows depend only on their own keys. Long prompts' prefill keeps torch's
+    batched matmuls (plain and speculative decoding prefill alike)."""
+    return (not prefill and q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[-1] % 16 == 0
+            and kernels.available())
 
 
 def row_attention(q: Tensor, k: Tensor, v: Tensor, rows: RowKeys) -> Tensor:
@@ -350,7 +362,10 @@ class DecoderLayer(nn.Module):
         q, k, v = steps.attention_inputs(self, x, cos, sin, prefill)
         cache.write(layer, slots, k, v)
         keys, values = cache.view(layer, slots, attend_len)  # [B, Hkv, S, D]
-        if isinstance(mask, RowKeys):
+        if native_attention(q, prefill):
+            rows = mask.attend if isinstance(mask, RowKeys) else mask[:, 0]
+            attn = kernels.attention(q, keys, values, rows, self.head_dim**-0.5)
+        elif isinstance(mask, RowKeys):
             attn = row_attention(q, keys, values, mask)  # [B, H, T, D]
         elif prefill and _upcast(x):
             attn = grouped_attention(q.float(), keys.float(), values.float(), mask).to(x.dtype)

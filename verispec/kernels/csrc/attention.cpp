@@ -1,0 +1,132 @@
+// Attention over the KV cache for a few query rows, each row computed alone in fixed float32
+// steps, so that its bits do not depend on the other rows of the pass, on how many keys the pass
+// holds beyond the row's own, or on the thread count.
+//
+// Why it exists: torch 2.13's float32 matmuls on CPU change a row's last bits with the shapes
+// around it. Padding the query rows to a fixed count (decoder.invariant_matmul) removes the
+// dependence on the row count, but not on S, the number of cache entries a pass attends over,
+// which grows with the pass's last position: on the AMX Xeon a SmolLM2 verify pass of 9 rows
+// whose keys ran to 528 differed from decode steps attending over 512 (2,000 tokens, 1,496 rows
+// from row 504 on). Here a row reduces over its own attended keys only, compacted in cache
+// order, so a decode step, a chain verify pass and a tree pass (whose rows attend to scattered
+// entries) give the same bits for the same keys.
+//
+// Per (batch, head, row), with the row's attended cache indices s_0 < s_1 < ... < s_{n-1}:
+//   score_i = dot(q, k[s_i]) * scale      dot: 16 lanes over d (d % 16), then a fixed tree
+//   p_i = exp(score_i - max_i score_i)    exp_neg below: fixed steps, no libm call
+//   sum = 16 lanes over i (i % 16), then the same tree
+//   out[d] = (sum_i p_i * v[s_i][d], i in order) / sum
+// The source is compiled without fma contraction and without reassociation, so the compiler's
+// vectorisation cannot change these sums.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace verispec {
+
+namespace {
+
+constexpr int kLanes = 16;
+
+// exp(x) for x <= 0 (Cephes' single-precision polynomial after x = n ln2 + r), 0 below -87.
+inline float exp_neg(float x) {
+  if (x < -87.0f) return 0.0f;
+  const float t = x * 1.44269504088896341f;
+  const int n = (int)(t - 0.5f);  // t <= 0: truncation of t - 0.5 rounds to nearest (ties down)
+  const float fn = (float)n;
+  float r = x - fn * 0.693359375f;
+  r = r - fn * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * (r * r) + r + 1.0f;
+  const int32_t bits = (n + 127) << 23;  // 2^n, n >= -126 here
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return e * scale;
+}
+
+inline float lane_tree(float* lane) {
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+  return lane[0];
+}
+
+}  // namespace
+
+// q [B, H, T, D], k and v [B, Hkv, S, D] (D contiguous), mask [B, T, S] bool (True = attend),
+// all float32: out [B, H, T, D]. H is a multiple of Hkv (grouped-query heads share KV heads).
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3, "attention takes q, k, v [B, H, T, D] and mask [B, T, S]");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
+              "attention runs float32");
+  TORCH_CHECK(mask.dtype() == torch::kBool, "mask must be bool");
+  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
+  const int64_t hkv = k.size(1), s = k.size(2);
+  TORCH_CHECK(d % kLanes == 0, "head dim ", d, " is not a multiple of ", kLanes);
+  TORCH_CHECK(hkv > 0 && h % hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(k.size(0) == b && v.size(0) == b && v.size(1) == hkv && v.size(2) == s && k.size(3) == d && v.size(3) == d,
+              "k and v must be [B, Hkv, S, D]");
+  TORCH_CHECK(mask.size(0) == b && mask.size(1) == t && mask.size(2) == s, "mask must be [B, T, S]");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v must be contiguous in D");
+  q = q.contiguous();
+  mask = mask.contiguous();
+  auto out = torch::empty({b, h, t, d}, torch::kFloat32);
+  const float* pq = q.data_ptr<float>();
+  const float* pk = k.data_ptr<float>();
+  const float* pv = v.data_ptr<float>();
+  const bool* pm = mask.data_ptr<bool>();
+  float* po = out.data_ptr<float>();
+  const int64_t group = h / hkv;
+  const float sc = (float)scale;
+  at::parallel_for(0, b * h * t, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<int64_t> idx((size_t)s);
+    std::vector<float> p((size_t)s), acc((size_t)d);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t bi = u / (h * t), hi = u / t % h, ti = u % t, kv = hi / group;
+      const float* qr = pq + u * d;
+      const bool* mr = pm + (bi * t + ti) * s;
+      const float* kb = pk + bi * k.stride(0) + kv * k.stride(1);
+      const float* vb = pv + bi * v.stride(0) + kv * v.stride(1);
+      float* o = po + u * d;
+      int64_t n = 0;
+      for (int64_t j = 0; j < s; ++j)
+        if (mr[j]) idx[n++] = j;
+      if (n == 0) {
+        std::memset(o, 0, (size_t)d * sizeof(float));
+        continue;
+      }
+      float mx = -INFINITY;
+      for (int64_t i = 0; i < n; ++i) {
+        const float* kr = kb + idx[i] * k.stride(2);
+        float lane[kLanes] = {};
+        for (int64_t d0 = 0; d0 < d; d0 += kLanes)
+          for (int l = 0; l < kLanes; ++l) lane[l] += qr[d0 + l] * kr[d0 + l];
+        p[i] = lane_tree(lane) * sc;
+        mx = p[i] > mx ? p[i] : mx;
+      }
+      float lane[kLanes] = {};
+      for (int64_t i = 0; i < n; ++i) {
+        p[i] = exp_neg(p[i] - mx);
+        lane[i % kLanes] += p[i];
+      }
+      const float sum = lane_tree(lane);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t i = 0; i < n; ++i) {
+        const float* vr = vb + idx[i] * v.stride(2);
+        const float pi = p[i];
+        for (int64_t j = 0; j < d; ++j) acc[j] += pi * vr[j];
+      }
+      for (int64_t j = 0; j < d; ++j) o[j] = acc[j] / sum;
+    }
+  });
+  return out;
+}
+
+}  // namespace verispec
