@@ -147,4 +147,12 @@ void superblock_avx2(int fmt, const FormatInfo& f, const uint8_t* tile, const QA
   }
 }
 
+void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs, float* dxb) {
+  quantize_row_impl(x, k, q, dx, bs, dxb);
+}
+
+void input_row_avx2(const float* xr, int64_t k, bool glu, const float* norm_w, float eps, float* row) {
+  input_row_impl(xr, k, glu, norm_w, eps, row);
+}
+
 }  // namespace verispec

@@ -41,8 +41,10 @@
 // 4 broadcast activation bytes.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace verispec {
 
@@ -131,6 +133,91 @@ struct Decoded {
 void decode_block(int fmt, const uint8_t* block, Decoded* out);
 void write_tile(const FormatInfo& f, const Decoded* cols, uint8_t* tile);  // cols[16]
 void dequantize_tile(const FormatInfo& f, int fmt, const uint8_t* tile, float* out, int64_t ldo);
+
+// A layer's input row and its quantization, written once here and compiled by each file that
+// calls it for its own instructions (ref.cpp generic, avx2.cpp with AVX2): the same IEEE
+// operations in the same order (no fma contraction, no reassociation; the max over a block is
+// exact in any order, and NaN is skipped as fmax would), so both give the same bits.
+
+// exp(x), x clamped to [-87, 88] (Cephes' single-precision polynomial after x = n ln2 + r).
+inline float exp_fixed(float x) {
+  x = x < 88.0f ? x : 88.0f;
+  x = x > -87.0f ? x : -87.0f;
+  const float t = x * 1.44269504088896341f;
+  const int n = (int)(t + (t >= 0.0f ? 0.5f : -0.5f));
+  const float fn = (float)n;
+  float r = x - fn * 0.693359375f;
+  r = r - fn * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * (r * r) + r + 1.0f;
+  const int32_t bits = (n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return e * scale;
+}
+
+// The row a layer multiplies, from its input row xr: with glu, silu(gate) * up for
+// xr = [gate (k) | up (k)]; with norm_w, RMSNorm: row * (1 / sqrt(mean(row^2) + eps)) * w, the
+// sum of squares in k order.
+inline void input_row_impl(const float* xr, int64_t k, bool glu, const float* norm_w, float eps, float* row) {
+  if (glu) {
+    for (int64_t j = 0; j < k; ++j) row[j] = xr[j] / (1.0f + exp_fixed(-xr[j])) * xr[k + j];
+  } else if (row != xr) {
+    std::memcpy(row, xr, (size_t)k * sizeof(float));
+  }
+  if (norm_w) {
+    float ss = 0.0f;
+    for (int64_t j = 0; j < k; ++j) ss += row[j] * row[j];
+    const float inv = 1.0f / std::sqrt(ss / (float)k + eps);
+    for (int64_t j = 0; j < k; ++j) row[j] = row[j] * inv * norm_w[j];
+  }
+}
+
+inline void quantize_row_impl(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs, float* dxb) {
+  constexpr int kb = kActBlock, kLanes = 8;
+  for (int64_t b = 0; b < k / kb; ++b) {
+    const float* xb = x + b * kb;
+    int8_t* qb = q + b * kb;
+    float lane[kLanes] = {};
+    for (int i = 0; i < kb; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) {
+        const float a = std::fabs(xb[i + l]);
+        lane[l] = a > lane[l] ? a : lane[l];
+      }
+    float amax = 0.0f;
+    for (int l = 0; l < kLanes; ++l) amax = lane[l] > amax ? lane[l] : amax;
+    if (!(amax > 0.0f) || !std::isfinite(amax)) {
+      // zeros (or a non-finite row, which then yields zeros rather than undefined casts)
+      std::memset(qb, 0, kb);
+      dx[b] = amax > 0.0f ? amax : 0.0f;
+    } else {
+      const float iscale = 127.0f / amax;
+      for (int i = 0; i < kb; ++i) {
+        float v = std::nearbyint(xb[i] * iscale);  // ties to even
+        v = v > -127.0f ? v : -127.0f;             // NaN -> -127, as fmax(-127, NaN)
+        v = v < 127.0f ? v : 127.0f;
+        qb[i] = (int8_t)(int)v;
+      }
+      dx[b] = 1.0f / iscale;
+    }
+  }
+  for (int64_t i = 0; i < k / 16; ++i) {
+    int32_t sum = 0;
+    for (int j = 0; j < 16; ++j) sum += q[16 * i + j];
+    bs[i] = (int16_t)sum;
+  }
+  for (int64_t b = 0; b < k / kb; ++b) dxb[b] = dx[b] * (float)((int32_t)bs[2 * b] + bs[2 * b + 1]);
+}
+
+// The generic copies (ref.cpp) and the AVX2 ones (avx2.cpp) of the two above.
 void quantize_row(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs, float* dxb);
+void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs, float* dxb);
+void input_row(const float* xr, int64_t k, bool glu, const float* norm_w, float eps, float* row);
+void input_row_avx2(const float* xr, int64_t k, bool glu, const float* norm_w, float eps, float* row);
 
 }  // namespace verispec

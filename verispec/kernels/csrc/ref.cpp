@@ -209,32 +209,11 @@ void dequantize_tile(const FormatInfo& f, int fmt, const uint8_t* tile, float* o
 }
 
 void quantize_row(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs, float* dxb) {
-  const int kb = kActBlock;
-  for (int64_t b = 0; b < k / kb; ++b) {
-    const float* xb = x + b * kb;
-    int8_t* qb = q + b * kb;
-    float amax = 0.0f;
-    for (int i = 0; i < kb; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-    if (!(amax > 0.0f) || !std::isfinite(amax)) {
-      // zeros (or a non-finite row, which then yields zeros rather than undefined casts)
-      std::memset(qb, 0, kb);
-      dx[b] = amax > 0.0f ? amax : 0.0f;
-    } else {
-      const float iscale = 127.0f / amax;
-      for (int i = 0; i < kb; ++i) {
-        float v = std::nearbyint(xb[i] * iscale);
-        v = std::fmin(127.0f, std::fmax(-127.0f, v));
-        qb[i] = (int8_t)v;
-      }
-      dx[b] = 1.0f / iscale;
-    }
-  }
-  for (int64_t i = 0; i < k / 16; ++i) {
-    int32_t sum = 0;
-    for (int j = 0; j < 16; ++j) sum += q[16 * i + j];
-    bs[i] = (int16_t)sum;
-  }
-  for (int64_t b = 0; b < k / kb; ++b) dxb[b] = dx[b] * (float)((int32_t)bs[2 * b] + bs[2 * b + 1]);
+  quantize_row_impl(x, k, q, dx, bs, dxb);
+}
+
+void input_row(const float* xr, int64_t k, bool glu, const float* norm_w, float eps, float* row) {
+  input_row_impl(xr, k, glu, norm_w, eps, row);
 }
 
 }  // namespace verispec
