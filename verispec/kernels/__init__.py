@@ -41,7 +41,7 @@ SOURCES = ("ref.cpp", "avx2.cpp", "avx512.cpp", "amx.cpp", "attention.cpp", "ops
 # then runs on torch's own OpenMP threads. -ffp-contract=off: the scalar reference's multiplies
 # and adds stay as written, so the SIMD paths can match it bit for bit.
 CFLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp")
-HEADERS = ("qgemm.h",)
+HEADERS = ("qgemm.h", "scales512.h")
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}
 # ggml type ids of the formats the kernels run (GGMLQuantizationType values)
 FORMATS = {"Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}

@@ -23,6 +23,7 @@
 #include <utility>
 
 #include "qgemm.h"
+#include "scales512.h"
 
 namespace verispec {
 
@@ -51,42 +52,6 @@ void unpack_nibbles(const FormatInfo& f, const uint8_t* tile, uint8_t* w) {
     const __m512i v = _mm512_loadu_si512(tile + 64 * h);
     _mm512_store_si512(w + 128 * h, _mm512_and_si512(v, low));
     _mm512_store_si512(w + 128 * h + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-  }
-}
-
-// dl and ml per sub and column (the same fp32 products as unpack_scales in avx512.cpp).
-inline __m512 u8_as_float(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
-
-void unpack_scales(int fmt, const FormatInfo& f, const uint8_t* tile, Unpacked* u) {
-  const uint8_t* s = tile + f.weight_bytes();
-  const uint16_t* d16 = (const uint16_t*)(s + f.scale_bytes());
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)d16));
-  switch (fmt) {
-    case Q4_K: {
-      const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d16 + 16)));
-      for (int j = 0; j < 8; ++j) {
-        _mm512_store_ps(u->dl[j], _mm512_mul_ps(d, u8_as_float(s + 16 * j)));
-        _mm512_store_ps(u->ml[j], _mm512_mul_ps(dmin, u8_as_float(s + 16 * (8 + j))));
-      }
-      return;
-    }
-    case Q6_K:
-      for (int j = 0; j < 16; ++j) {
-        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(s + 16 * j)));
-        _mm512_store_ps(u->dl[j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
-      }
-      return;
-    case Q4_1: {
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d16 + 16)));
-      _mm512_store_si512(u->ml[0], _mm512_xor_si512(_mm512_castps_si512(m), _mm512_set1_epi32(INT32_MIN)));
-      _mm512_store_ps(u->dl[0], d);
-      return;
-    }
-    default:
-      _mm512_store_ps(u->dl[0], d);
-      return;
   }
 }
 

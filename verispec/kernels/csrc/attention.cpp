@@ -13,7 +13,7 @@
 //
 // Per (batch, head, row), with the row's attended cache indices s_0 < s_1 < ... < s_{n-1}:
 //   score_i = dot(q, k[s_i]) * scale      dot: 16 lanes over d (d % 16), then a fixed tree
-//   p_i = exp(score_i - max_i score_i)    exp_neg below: fixed steps, no libm call
+//   p_i = exp(score_i - max_i score_i)    exp_fixed (qgemm.h): fixed steps, no libm call
 //   sum = 16 lanes over i (i % 16), then the same tree
 //   out[d] = (sum_i p_i * v[s_i][d], i in order) / sum
 // The source is compiled without fma contraction and without reassociation, so the compiler's
@@ -25,32 +25,13 @@
 #include <cstring>
 #include <vector>
 
+#include "qgemm.h"
+
 namespace verispec {
 
 namespace {
 
 constexpr int kLanes = 16;
-
-// exp(x) for x <= 0 (Cephes' single-precision polynomial after x = n ln2 + r), 0 below -87.
-inline float exp_neg(float x) {
-  if (x < -87.0f) return 0.0f;
-  const float t = x * 1.44269504088896341f;
-  const int n = (int)(t - 0.5f);  // t <= 0: truncation of t - 0.5 rounds to nearest (ties down)
-  const float fn = (float)n;
-  float r = x - fn * 0.693359375f;
-  r = r - fn * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * (r * r) + r + 1.0f;
-  const int32_t bits = (n + 127) << 23;  // 2^n, n >= -126 here
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return e * scale;
-}
 
 inline float lane_tree(float* lane) {
   for (int w = kLanes / 2; w >= 1; w /= 2)
@@ -113,7 +94,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
       }
       float lane[kLanes] = {};
       for (int64_t i = 0; i < n; ++i) {
-        p[i] = exp_neg(p[i] - mx);
+        p[i] = exp_fixed(p[i] - mx);
         lane[i % kLanes] += p[i];
       }
       const float sum = lane_tree(lane);

@@ -9,45 +9,9 @@
 #include <cstring>
 
 #include "qgemm.h"
+#include "scales512.h"
 
 namespace verispec {
-
-// dl and ml of every sub of one tile superblock, one lane per column (the definitions are
-// dl_of and ml_of in ref.cpp; the same fp32 products).
-static inline __m512 u8_as_float(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
-
-static void unpack_scales(int fmt, const FormatInfo& f, const uint8_t* tile, Unpacked* u) {
-  const uint8_t* s = tile + f.weight_bytes();
-  const uint16_t* d16 = (const uint16_t*)(s + f.scale_bytes());
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)d16));
-  switch (fmt) {
-    case Q4_K: {
-      const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d16 + 16)));
-      for (int j = 0; j < 8; ++j) {
-        _mm512_store_ps(u->dl[j], _mm512_mul_ps(d, u8_as_float(s + 16 * j)));
-        _mm512_store_ps(u->ml[j], _mm512_mul_ps(dmin, u8_as_float(s + 16 * (8 + j))));
-      }
-      return;
-    }
-    case Q6_K:
-      for (int j = 0; j < 16; ++j) {
-        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(s + 16 * j)));
-        _mm512_store_ps(u->dl[j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
-      }
-      return;
-    case Q4_1: {  // ml = -m by flipping the sign bit, as the scalar negation does
-      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d16 + 16)));
-      _mm512_store_si512(u->ml[0], _mm512_xor_si512(_mm512_castps_si512(m), _mm512_set1_epi32(INT32_MIN)));
-      _mm512_store_ps(u->dl[0], d);
-      return;
-    }
-    default:
-      _mm512_store_ps(u->dl[0], d);
-      return;
-  }
-}
 
 // Four activation bytes in every 32-bit lane, as one load-port broadcast.
 static inline __m512i bcast4(const int8_t* p) {

@@ -103,8 +103,8 @@ struct QActs {
 };
 
 // The per-format constants of the contract.
-inline int int_offset(int fmt) { return fmt == 14 ? 32 : fmt == 6 ? 16 : 0; }  // Q6_K, Q5_0
-inline bool has_fp_offset(int fmt) { return fmt == 12 || fmt == 3; }          // Q4_K, Q4_1
+static inline int int_offset(int fmt) { return fmt == 14 ? 32 : fmt == 6 ? 16 : 0; }  // Q6_K, Q5_0
+static inline bool has_fp_offset(int fmt) { return fmt == 12 || fmt == 3; }          // Q4_K, Q4_1
 
 
 
@@ -135,12 +135,13 @@ void write_tile(const FormatInfo& f, const Decoded* cols, uint8_t* tile);  // co
 void dequantize_tile(const FormatInfo& f, int fmt, const uint8_t* tile, float* out, int64_t ldo);
 
 // A layer's input row and its quantization, written once here and compiled by each file that
-// calls it for its own instructions (ref.cpp generic, avx2.cpp with AVX2): the same IEEE
+// calls it for its own instructions (ref.cpp generic, avx2.cpp with AVX2; static, so that the
+// linker cannot hand one file's copy to the other): the same IEEE
 // operations in the same order (no fma contraction, no reassociation; the max over a block is
 // exact in any order, and NaN is skipped as fmax would), so both give the same bits.
 
 // exp(x), x clamped to [-87, 88] (Cephes' single-precision polynomial after x = n ln2 + r).
-inline float exp_fixed(float x) {
+static inline float exp_fixed(float x) {
   x = x < 88.0f ? x : 88.0f;
   x = x > -87.0f ? x : -87.0f;
   const float t = x * 1.44269504088896341f;
@@ -164,7 +165,7 @@ inline float exp_fixed(float x) {
 // The row a layer multiplies, from its input row xr: with glu, silu(gate) * up for
 // xr = [gate (k) | up (k)]; with norm_w, RMSNorm: row * (1 / sqrt(mean(row^2) + eps)) * w, the
 // sum of squares in k order.
-inline void input_row_impl(const float* xr, int64_t k, bool glu, const float* norm_w, float eps, float* row) {
+static inline void input_row_impl(const float* xr, int64_t k, bool glu, const float* norm_w, float eps, float* row) {
   if (glu) {
     for (int64_t j = 0; j < k; ++j) row[j] = xr[j] / (1.0f + exp_fixed(-xr[j])) * xr[k + j];
   } else if (row != xr) {
@@ -178,7 +179,7 @@ inline void input_row_impl(const float* xr, int64_t k, bool glu, const float* no
   }
 }
 
-inline void quantize_row_impl(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs, float* dxb) {
+static inline void quantize_row_impl(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs, float* dxb) {
   constexpr int kb = kActBlock, kLanes = 8;
   for (int64_t b = 0; b < k / kb; ++b) {
     const float* xb = x + b * kb;
