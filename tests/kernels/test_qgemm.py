@@ -200,3 +200,23 @@ def test_attention_bad_input_is_a_clear_error():
     q = torch.randn(1, 2, 1, 24)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kernels.attention(q, torch.randn(1, 1, 4, 24), torch.randn(1, 1, 4, 24), torch.ones(1, 1, 4, dtype=torch.bool), 1.0)
+
+
+def test_qkv_rope_equals_the_decoders_pytorch_form():
+    """Split into heads and rotate q and k: bit for bit the decoder's PyTorch ops."""
+    from verispec.models.decoder import _rotate_half
+
+    gen = torch.Generator().manual_seed(8)
+    b, t, h, hkv, d = 2, 5, 6, 2, 64
+    qkv = torch.randn(b, t, (h + 2 * hkv) * d, generator=gen)
+    angles = torch.randn(b, 1, t, d // 2, generator=gen) * 3
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    q, k, v = kernels.qkv_rope(qkv, cos, sin, h, hkv)
+    tq, tk, tv = qkv.split((h * d, hkv * d, hkv * d), dim=-1)
+    tq = tq.view(b, t, h, d).transpose(1, 2)
+    tk = tk.view(b, t, hkv, d).transpose(1, 2)
+    tv = tv.view(b, t, hkv, d).transpose(1, 2)
+    assert torch.equal(q, tq * cos + _rotate_half(tq) * sin)
+    assert torch.equal(k, tk * cos + _rotate_half(tk) * sin)
+    assert torch.equal(v, tv)

@@ -228,3 +228,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Te
     cache order, in fixed float32 steps (``csrc/attention.cpp``), so its bits depend only on the
     row, its keys and its values: not on the rows beside it, on S or on the thread count."""
     return _lib().attention(q, k, v, mask, float(scale))
+
+
+def qkv_rope(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``qkv [B, T, (H + 2 Hkv) D]`` split into ``q [B, H, T, D]``, ``k, v [B, Hkv, T, D]``
+    (contiguous) with RoPE on q and k (``cos, sin [B, 1, T, D]``), all float32: one call for
+    what takes about twenty PyTorch ops, with the same bits as the decoder's PyTorch form."""
+    q, k, v = _lib().qkv_rope(qkv, cos, sin, heads, kv_heads)
+    return q, k, v

@@ -383,6 +383,8 @@ class DecoderLayer(nn.Module):
         b, t, _ = x.shape
         if not prefill and isinstance(self.qkv, NativeLinear):  # the kernels apply the norm
             qkv = self.qkv(x, norm=self.input_norm)
+            if qkv.dtype == torch.float32 and cos.dtype == torch.float32:  # split and RoPE too
+                return kernels.qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
         else:
             qkv = linear(self.qkv, self.input_norm(x), prefill)
         q, k, v = qkv.split(self.split, dim=-1)

@@ -111,3 +111,52 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
 }
 
 }  // namespace verispec
+
+namespace verispec {
+
+// The q/k/v projection's output split into heads, with RoPE on q and k, for a pass's rows:
+// qkv [B, T, (H + 2 Hkv) D] and cos, sin [B, 1, T, D] float32 -> q [B, H, T, D], k and v
+// [B, Hkv, T, D], contiguous. The rotation is x * cos + rotate_half(x) * sin with
+// rotate_half(x) = [-x[D/2:], x[:D/2]], element by element: one multiply, one multiply and one
+// add, as the same three PyTorch ops compute it, so the bits equal the decoder's PyTorch form.
+std::vector<torch::Tensor> qkv_rope(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t h, int64_t hkv) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.dtype() == torch::kFloat32, "qkv must be float32 [B, T, C]");
+  TORCH_CHECK(cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32, "cos and sin must be float32");
+  const int64_t b = qkv.size(0), t = qkv.size(1), c = qkv.size(2), heads = h + 2 * hkv;
+  TORCH_CHECK(heads > 0 && c % heads == 0 && (c / heads) % 2 == 0, "qkv width ", c, " does not split into ", heads, " heads");
+  const int64_t d = c / heads, half = d / 2;
+  TORCH_CHECK(cos.numel() == b * t * d && sin.numel() == b * t * d, "cos and sin must be [B, 1, T, D]");
+  qkv = qkv.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  auto q = torch::empty({b, h, t, d}, torch::kFloat32);
+  auto k = torch::empty({b, hkv, t, d}, torch::kFloat32);
+  auto v = torch::empty({b, hkv, t, d}, torch::kFloat32);
+  const float* src = qkv.data_ptr<float>();
+  const float* pc = cos.data_ptr<float>();
+  const float* ps = sin.data_ptr<float>();
+  float* pq = q.data_ptr<float>();
+  float* pk = k.data_ptr<float>();
+  float* pv = v.data_ptr<float>();
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t ti = 0; ti < t; ++ti) {
+      const float* row = src + (bi * t + ti) * c;
+      const float* cr = pc + (bi * t + ti) * d;
+      const float* sr = ps + (bi * t + ti) * d;
+      for (int64_t hi = 0; hi < heads; ++hi) {
+        const float* x = row + hi * d;
+        float* out = hi < h ? pq + ((bi * h + hi) * t + ti) * d
+                   : hi < h + hkv ? pk + ((bi * hkv + hi - h) * t + ti) * d
+                   : pv + ((bi * hkv + hi - h - hkv) * t + ti) * d;
+        if (hi >= h + hkv) {
+          std::memcpy(out, x, (size_t)d * sizeof(float));
+          continue;
+        }
+        for (int64_t j = 0; j < half; ++j) out[j] = x[j] * cr[j] + (-x[j + half]) * sr[j];
+        for (int64_t j = half; j < d; ++j) out[j] = x[j] * cr[j] + x[j - half] * sr[j];
+      }
+    }
+  return {q, k, v};
+}
+
+}  // namespace verispec

@@ -286,10 +286,12 @@ std::vector<int64_t> supported_isas() {
 
 namespace verispec {
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale);
+std::vector<torch::Tensor> qkv_rope(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t h, int64_t hkv);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &verispec::attention, "row-invariant attention over the cache (attention.cpp)");
+  m.def("qkv_rope", &verispec::qkv_rope, "q/k/v split into heads, RoPE on q and k (attention.cpp)");
   m.def("repack", &verispec::repack, "GGUF blocks -> packed tiles");
   m.def("dequantize", &verispec::dequantize, "packed tiles -> float32 weight, as gguf dequantizes");
   m.def("linear", &verispec::linear, "x @ W.T (+ bias) over packed parts");
