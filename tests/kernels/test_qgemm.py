@@ -154,6 +154,35 @@ def test_fused_inputs_and_residual():
         kernels.matmul(x2, [w], glu=True, norm=(nw, eps))
 
 
+@pytest.mark.parametrize("fused", ["plain", "glu", "norm"])
+def test_layer_inputs_are_bit_identical_for_every_isa_thread_count_and_row_count(fused):
+    """The input blocks are made and quantized in parallel, by the AVX2 code on every path but the
+    scalar one: each row must still be the scalar path's row made alone on one thread, also where
+    the gate's exp clamps (|x| > 87), a block is all zeros, or a value is NaN or infinite."""
+    n, k = 32, 2048
+    w = kernels.repack(FORMATS["Q4_K"], random_blocks("Q4_K", n, k, seed=7), n, k)
+    gen = torch.Generator().manual_seed(8)
+    width = 2 * k if fused == "glu" else k
+    x = torch.randn(33, width, generator=gen) * 4
+    x[:, 5::97] *= 40  # past exp's clamps for the gate
+    x[3, : 2 * 32] = 0  # zero blocks
+    x[4, 100] = float("nan")
+    x[5, 200] = float("inf")
+    x[6, 300] = -float("inf")
+    kw = {"glu": True} if fused == "glu" else {"norm": (torch.rand(k, generator=gen) + 0.5, 1e-6)} if fused == "norm" else {}
+
+    def bits(t):
+        return t.view(torch.int32)
+
+    alone = with_threads(1, lambda: torch.cat([kernels.matmul(x[i : i + 1], [w], "scalar", **kw) for i in range(33)]))
+    assert torch.isfinite(alone[:3]).all() and torch.isfinite(alone[7:]).all()
+    for isa in kernels.supported_isas():
+        for threads in (1, 2):
+            for m in (1, 2, 7, 9, 16, 33):
+                got = with_threads(threads, lambda: kernels.matmul(x[:m], [w], isa, **kw))
+                assert torch.equal(bits(got), bits(alone[:m])), f"{fused} {isa} threads={threads} M={m}"
+
+
 def _reference_attention(q, k, v, mask, scale):
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1).double(), v.repeat_interleave(g, dim=1).double()

@@ -77,6 +77,7 @@ void unpack_offset(const FormatInfo& f, const uint8_t* tile, int off, uint8_t* w
 
 template <int J, bool SIGNED>
 inline void sub_sums(const int8_t* xa, const uint8_t* w, int32_t* c) {
+  prefetch_step();
   if constexpr (J % 4 == 0) VERISPEC_SUB_SUMS(0, 4, 6);
   else if constexpr (J % 4 == 1) VERISPEC_SUB_SUMS(1, 5, 7);
   else if constexpr (J % 4 == 2) VERISPEC_SUB_SUMS(2, 4, 6);

@@ -57,6 +57,7 @@ static void rows_block(const uint8_t* tile, const Unpacked& u, const QActs& a, i
   for (int j = 0; j < NSUB; ++j) {
     const int64_t blk = b0 + j * SUB / kActBlock;
     const int8_t* xj = a.qb(blk, m0) + j * SUB % kActBlock;  // row r at xj + 32 r
+    prefetch_step();
     __m512i part[P][R];
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r)

@@ -10,6 +10,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -19,7 +20,7 @@
 namespace verispec {
 namespace {
 
-constexpr int64_t kPrefetchAhead = 1;  // superblocks
+constexpr int64_t kPrefetchAhead = 2;  // superblocks
 
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
 
@@ -132,14 +133,19 @@ torch::Tensor dequantize(int64_t fmt, torch::Tensor packed, int64_t n, int64_t k
 
 // x: float32 or bfloat16 [M, K] -> the QActs arrays, block-major over mp rows (M rounded up to a
 // multiple of 16; the extra rows of q are zero): q int8 [K / 32][mp][32], dx float32
-// [K / 32][mp], bs int16 [K / 16][mp], dxb float32 [K / 32][mp]. Each row is quantized alone
-// (quantize_row). The storage is the calling thread's, reused from call to call (a decode step
-// makes over a hundred calls; allocating and zeroing fresh tensors cost about 1.5 ms of it).
+// [K / 32][mp], bs int16 [K / 16][mp], dxb float32 [K / 32][mp]. Each block of each row is made
+// and quantized from its own inputs (qgemm.h), so the blocks are spread over the threads: with
+// the gated input of a down projection, 9 rows took 0.55 ms on one thread before, about as long
+// as the matmul itself. The storage is the calling thread's, reused from call to call (a decode
+// step makes over a hundred calls; allocating and zeroing fresh tensors cost about 1.5 ms of it).
 struct ActBuffers {
-  std::vector<int8_t> q, rq;
-  std::vector<float> dx, dxb, in, row, rdx, rdxb;
-  std::vector<int16_t> bs, rbs;
+  std::vector<int8_t> q;
+  std::vector<float> dx, dxb, in, inv;
+  std::vector<int16_t> bs;
 };
+
+constexpr int64_t kQuantChunk = 8;   // blocks of one row per unit of work
+constexpr int64_t kQuantGrain = 16;  // units below which the quantization stays on one thread
 
 QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float eps, bool avx2, ActBuffers& buf) {
   TORCH_CHECK(x.dim() == 2 && (x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16),
@@ -152,35 +158,49 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
   buf.dx.resize((size_t)(nb * mp));
   buf.dxb.resize((size_t)(nb * mp));
   buf.bs.resize((size_t)(k / 16 * mp));
-  buf.rq.resize((size_t)k);
-  buf.rdx.resize((size_t)nb);
-  buf.rdxb.resize((size_t)nb);
-  buf.rbs.resize((size_t)(k / 16));
-  const bool bf16 = x.dtype() == torch::kBFloat16, transform = glu || norm_w;
-  if (bf16) buf.in.resize((size_t)kin);
-  if (transform) buf.row.resize((size_t)k);
-  int8_t* pq = buf.q.data();
-  for (int64_t i = 0; i < m; ++i) {
-    const float* xr;
-    if (bf16) {  // bf16 -> float32 is exact
-      const at::BFloat16* src = x.data_ptr<at::BFloat16>() + i * kin;
-      for (int64_t j = 0; j < kin; ++j) buf.in[j] = static_cast<float>(src[j]);
-      xr = buf.in.data();
-    } else {
-      xr = x.data_ptr<float>() + i * kin;
-    }
-    if (transform) {
-      (avx2 ? input_row_avx2 : input_row)(xr, k, glu, norm_w, eps, buf.row.data());
-      xr = buf.row.data();
-    }
-    (avx2 ? quantize_row_avx2 : quantize_row)(xr, k, buf.rq.data(), buf.rdx.data(), buf.rbs.data(), buf.rdxb.data());
-    for (int64_t b = 0; b < nb; ++b) {
-      std::memcpy(pq + (b * mp + i) * kActBlock, buf.rq.data() + b * kActBlock, kActBlock);
-      buf.dx[b * mp + i] = buf.rdx[b];
-      buf.dxb[b * mp + i] = buf.rdxb[b];
-    }
-    for (int64_t b = 0; b < k / 16; ++b) buf.bs[b * mp + i] = buf.rbs[b];
+  const float* xf;
+  if (x.dtype() == torch::kBFloat16) {  // bf16 -> float32 is exact
+    buf.in.resize((size_t)(m * kin));
+    const at::BFloat16* src = x.data_ptr<at::BFloat16>();
+    for (int64_t j = 0; j < m * kin; ++j) buf.in[j] = static_cast<float>(src[j]);
+    xf = buf.in.data();
+  } else {
+    xf = x.data_ptr<float>();
   }
+  const float* inv = nullptr;
+  if (norm_w) {
+    buf.inv.resize((size_t)m);
+    at::parallel_for(0, m, 4, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) buf.inv[i] = row_rms_inv(xf + i * kin, k, eps);
+    });
+    inv = buf.inv.data();
+  }
+  int8_t* pq = buf.q.data();
+  const auto glu_fn = avx2 ? glu_block_avx2 : glu_block;
+  const auto quant_fn = avx2 ? quantize_block_avx2 : quantize_block;
+  const int64_t chunks = (nb + kQuantChunk - 1) / kQuantChunk;
+  at::parallel_for(0, m * chunks, kQuantGrain, [&](int64_t u0, int64_t u1) {
+    alignas(32) float in[kActBlock];
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t i = u / chunks, b0 = u % chunks * kQuantChunk, b1 = std::min(nb, b0 + kQuantChunk);
+      const float* xr = xf + i * kin;
+      for (int64_t b = b0; b < b1; ++b) {
+        const float* xb = xr + b * kActBlock;
+        if (glu) {
+          glu_fn(xb, xb + k, in);
+          xb = in;
+        } else if (inv) {
+          const float* w = norm_w + b * kActBlock;
+          for (int j = 0; j < kActBlock; ++j) in[j] = xb[j] * inv[i] * w[j];
+          xb = in;
+        }
+        int16_t bs[2];
+        quant_fn(xb, pq + (b * mp + i) * kActBlock, &buf.dx[b * mp + i], bs, &buf.dxb[b * mp + i]);
+        buf.bs[2 * b * mp + i] = bs[0];
+        buf.bs[(2 * b + 1) * mp + i] = bs[1];
+      }
+    }
+  });
   if (mp > m)  // AMX's A tiles read the padding rows (their results are never used)
     for (int64_t b = 0; b < nb; ++b) std::memset(pq + (b * mp + m) * kActBlock, 0, (size_t)((mp - m) * kActBlock));
   return QActs{pq, buf.dx.data(), buf.bs.data(), buf.dxb.data(), m, k, mp};
@@ -253,13 +273,17 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
       const uint8_t* tile = part.w + (t - part.tile0) * nsb * tb;
       for (int64_t s = 0; s < nsb; ++s) {
         // The weights stream from memory once; the hardware prefetcher alone leaves the core
-        // waiting at the start of each superblock, so ask for the next one (in memory order,
-        // across tiles) into L2. On the AMX Xeon this took a 1.5B verify pass of 9 rows from
-        // 131 to 111 ms and a decode step from 71.5 to 65-67 ms; two or more ahead, or into L1,
-        // did no better.
+        // waiting at the start of each superblock, so the superblock two ahead (in memory order,
+        // across tiles) is asked into L2, a few lines per sub while this one computes. On the
+        // AMX Xeon, against no software prefetch: a 1.5B decode step 70 -> 55.5 ms, a 9-row
+        // pass 114 -> 85 ms; the same lines asked in one burst per superblock (one ahead) gave
+        // 60 and 98 ms, and one ahead spread 57 and 88 ms.
         const uint8_t* next = tile + (s + kPrefetchAhead) * tb;
-        for (int64_t off = 0; off < tb; off += 64) __builtin_prefetch(next + off, 0, 2);
+        const int lines = (int)((tb + 63) / 64), subs = part.f.nsub();
+        tl_prefetch = {(const char*)next, (const char*)next + lines * 64, (lines + subs - 1) / subs};
         fn(part.fmt, part.f, tile + s * tb, a, s, acc.data());
+        tl_prefetch.per_step = lines;  // what a path without the per-sub steps left (scalar)
+        prefetch_step();
       }
       for (int64_t i = 0; i < m; ++i)
         for (int c = 0; c < kTile; ++c) {

@@ -108,6 +108,17 @@ static inline bool has_fp_offset(int fmt) { return fmt == 12 || fmt == 3; }     
 
 
 
+// Software prefetch of the weights ahead of the kernels (ops.cpp sets the queue per superblock
+// call; each ISA kernel issues per_step lines at the start of each sub), so the requests spread
+// over the call's compute instead of coming in one burst, which stalls on the core's few
+// outstanding-miss slots while the burst drains.
+struct PrefetchQueue { const char* p = nullptr; const char* end = nullptr; int per_step = 0; };
+inline thread_local PrefetchQueue tl_prefetch;
+static inline void prefetch_step() {
+  PrefetchQueue& q = tl_prefetch;
+  for (int i = 0; i < q.per_step && q.p < q.end; ++i, q.p += 64) __builtin_prefetch(q.p, 0, 2);
+}
+
 // fp16 bits -> float (exact).
 float fp16_to_float(uint16_t h);
 
@@ -162,63 +173,59 @@ static inline float exp_fixed(float x) {
   return e * scale;
 }
 
-// The row a layer multiplies, from its input row xr: with glu, silu(gate) * up for
-// xr = [gate (k) | up (k)]; with norm_w, RMSNorm: row * (1 / sqrt(mean(row^2) + eps)) * w, the
-// sum of squares in k order.
-static inline void input_row_impl(const float* xr, int64_t k, bool glu, const float* norm_w, float eps, float* row) {
-  if (glu) {
-    for (int64_t j = 0; j < k; ++j) row[j] = xr[j] / (1.0f + exp_fixed(-xr[j])) * xr[k + j];
-  } else if (row != xr) {
-    std::memcpy(row, xr, (size_t)k * sizeof(float));
-  }
-  if (norm_w) {
-    float ss = 0.0f;
-    for (int64_t j = 0; j < k; ++j) ss += row[j] * row[j];
-    const float inv = 1.0f / std::sqrt(ss / (float)k + eps);
-    for (int64_t j = 0; j < k; ++j) row[j] = row[j] * inv * norm_w[j];
-  }
+// A layer's input and its quantization, one activation block (32 k) at a time, so blocks (and
+// rows) can be spread over threads: the block is made from its own inputs only, and RMSNorm's
+// one row-wide value, 1 / rms, is computed first (row_rms_inv, the sum of squares in k order).
+//   glu:  in[j] = gate[j] / (1 + exp_fixed(-gate[j])) * up[j]
+//   norm: in[j] = x[j] * inv * w[j]
+//   then  amax = max |in|, iscale = 127 / amax, q = nearest(in * iscale) (ties to even) clamped
+//         to [-127, 127], dx = 1 / iscale, the int sums of each 16 q's, dxb = dx * (float)bsum.
+// Elementwise IEEE operations in a fixed order (no fma contraction, no reassociation; the max
+// is exact in any order, and NaN is skipped as fmax would), so a vectorised copy gives the same
+// bits as this generic one. Static, so that the linker cannot hand one file's copy to another.
+static inline float row_rms_inv_impl(const float* x, int64_t k, float eps) {
+  float ss = 0.0f;
+  for (int64_t j = 0; j < k; ++j) ss += x[j] * x[j];
+  return 1.0f / std::sqrt(ss / (float)k + eps);
 }
 
-static inline void quantize_row_impl(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs, float* dxb) {
-  constexpr int kb = kActBlock, kLanes = 8;
-  for (int64_t b = 0; b < k / kb; ++b) {
-    const float* xb = x + b * kb;
-    int8_t* qb = q + b * kb;
-    float lane[kLanes] = {};
-    for (int i = 0; i < kb; i += kLanes)
-      for (int l = 0; l < kLanes; ++l) {
-        const float a = std::fabs(xb[i + l]);
-        lane[l] = a > lane[l] ? a : lane[l];
-      }
-    float amax = 0.0f;
-    for (int l = 0; l < kLanes; ++l) amax = lane[l] > amax ? lane[l] : amax;
-    if (!(amax > 0.0f) || !std::isfinite(amax)) {
-      // zeros (or a non-finite row, which then yields zeros rather than undefined casts)
-      std::memset(qb, 0, kb);
-      dx[b] = amax > 0.0f ? amax : 0.0f;
-    } else {
-      const float iscale = 127.0f / amax;
-      for (int i = 0; i < kb; ++i) {
-        float v = std::nearbyint(xb[i] * iscale);  // ties to even
-        v = v > -127.0f ? v : -127.0f;             // NaN -> -127, as fmax(-127, NaN)
-        v = v < 127.0f ? v : 127.0f;
-        qb[i] = (int8_t)(int)v;
-      }
-      dx[b] = 1.0f / iscale;
+static inline void glu_block_impl(const float* gate, const float* up, float* out) {
+  for (int j = 0; j < kActBlock; ++j) out[j] = gate[j] / (1.0f + exp_fixed(-gate[j])) * up[j];
+}
+
+static inline void quantize_block_impl(const float* x, int8_t* q, float* dx, int16_t* bs, float* dxb) {
+  float amax = 0.0f;
+  for (int i = 0; i < kActBlock; ++i) {
+    const float a = std::fabs(x[i]);
+    amax = a > amax ? a : amax;
+  }
+  if (!(amax > 0.0f) || !std::isfinite(amax)) {
+    // zeros (or a non-finite block, which then yields zeros rather than undefined casts)
+    std::memset(q, 0, kActBlock);
+    *dx = amax > 0.0f ? amax : 0.0f;
+  } else {
+    const float iscale = 127.0f / amax;
+    for (int i = 0; i < kActBlock; ++i) {
+      float v = std::nearbyint(x[i] * iscale);  // ties to even
+      v = v > -127.0f ? v : -127.0f;            // NaN -> -127, as fmax(-127, NaN)
+      v = v < 127.0f ? v : 127.0f;
+      q[i] = (int8_t)(int)v;
     }
+    *dx = 1.0f / iscale;
   }
-  for (int64_t i = 0; i < k / 16; ++i) {
-    int32_t sum = 0;
-    for (int j = 0; j < 16; ++j) sum += q[16 * i + j];
-    bs[i] = (int16_t)sum;
-  }
-  for (int64_t b = 0; b < k / kb; ++b) dxb[b] = dx[b] * (float)((int32_t)bs[2 * b] + bs[2 * b + 1]);
+  int32_t s0 = 0, s1 = 0;
+  for (int i = 0; i < 16; ++i) s0 += q[i], s1 += q[16 + i];
+  bs[0] = (int16_t)s0;
+  bs[1] = (int16_t)s1;
+  *dxb = *dx * (float)(s0 + s1);
 }
 
-// The generic copies (ref.cpp) and the AVX2 ones (avx2.cpp) of the two above.
-void quantize_row(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs, float* dxb);
-void quantize_row_avx2(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs, float* dxb);
-void input_row(const float* xr, int64_t k, bool glu, const float* norm_w, float eps, float* row);
-void input_row_avx2(const float* xr, int64_t k, bool glu, const float* norm_w, float eps, float* row);
+// The generic copies (ref.cpp) and the AVX2 ones (avx2.cpp, written with intrinsics) of the two
+// above; bs points at two int16 (the block's two sums of 16).
+float row_rms_inv(const float* x, int64_t k, float eps);
+void glu_block(const float* gate, const float* up, float* out);
+void glu_block_avx2(const float* gate, const float* up, float* out);
+void quantize_block(const float* x, int8_t* q, float* dx, int16_t* bs, float* dxb);
+void quantize_block_avx2(const float* x, int8_t* q, float* dx, int16_t* bs, float* dxb);
 
 }  // namespace verispec

@@ -208,12 +208,12 @@ void dequantize_tile(const FormatInfo& f, int fmt, const uint8_t* tile, float* o
   }
 }
 
-void quantize_row(const float* x, int64_t k, int8_t* q, float* dx, int16_t* bs, float* dxb) {
-  quantize_row_impl(x, k, q, dx, bs, dxb);
-}
+float row_rms_inv(const float* x, int64_t k, float eps) { return row_rms_inv_impl(x, k, eps); }
 
-void input_row(const float* xr, int64_t k, bool glu, const float* norm_w, float eps, float* row) {
-  input_row_impl(xr, k, glu, norm_w, eps, row);
+void glu_block(const float* gate, const float* up, float* out) { glu_block_impl(gate, up, out); }
+
+void quantize_block(const float* x, int8_t* q, float* dx, int16_t* bs, float* dxb) {
+  quantize_block_impl(x, q, dx, bs, dxb);
 }
 
 }  // namespace verispec
