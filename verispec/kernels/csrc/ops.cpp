@@ -266,7 +266,7 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
     for (int64_t t = t0; t < t1; ++t) {
       while (p + 1 < parts.size() && parts[p + 1].tile0 <= t) ++p;
       const Part& part = parts[p];
-      if (use == kAmx && part.f.sub != amx_sub) amx_configure(amx_sub = part.f.sub);
+      if (use == kAmx && part.f.sub != amx_sub) amx_configure(amx_sub = part.f.sub, (int)std::min<int64_t>(m, 16));
       const int64_t nsb = k / part.f.kb, tb = part.f.tile_bytes();
       const int64_t col = part.col0 + (t - part.tile0) * kTile;
       std::fill(acc.begin(), acc.end(), 0.0f);

@@ -32,6 +32,9 @@
 //   weights   8-bit formats: G x [16 cols][4 k] bytes        (byte = w[4g + j] of column c)
 //             4-bit formats: G/2 x [16 cols][4 k] bytes, low nibble group 2h, high nibble 2h + 1
 //             (both nibbles of a byte in one sub, so one load feeds two groups of the same sub)
+//             Q6_K (4+2 bits): the low 4 bits as the 4-bit formats, then G/4 x [16 cols][4 k]
+//             bytes of the high 2 bits, block q holding group 4q + i in bits 2i, 2i + 1 (one
+//             Q6_K sub of 16 k is groups 4j..4j+3: nibble blocks 2j, 2j + 1 and high block j)
 //   scales    Q4_K: sc[8][16] u8, then mn[8][16] u8;  Q6_K: sc[16][16] int8;  others: none
 //   d         [16] fp16 (the file's own bits)
 //   dmin      Q4_K: dmin[16] fp16;  Q4_1: m[16] fp16;  others: none
@@ -57,13 +60,16 @@ struct FormatInfo {
   int sub;           // k per integer scale
   int block_bytes;   // bytes of one GGUF block (one KB run of one row)
   bool nibbles;      // 4-bit storage
+  bool high2;        // 4+2-bit storage (Q6_K): the nibbles, then a plane of the high 2 bits
   bool signed_w;     // weights are int8 (Q8_0)
   bool int_scales;   // per-sub integer scales stored (Q4_K, Q6_K)
   bool stores_dmin;  // a second fp16 per column (Q4_K dmin, Q4_1 m)
 
   int groups() const { return kb / 4; }
   int nsub() const { return kb / sub; }
-  int weight_bytes() const { return nibbles ? groups() / 2 * 64 : groups() * 64; }
+  int weight_bytes() const {
+    return nibbles ? groups() / 2 * 64 : high2 ? groups() / 2 * 64 + groups() / 4 * 64 : groups() * 64;
+  }
   int scale_bytes() const { return int_scales ? (stores_dmin ? 2 : 1) * nsub() * 16 : 0; }
   int tile_bytes() const { return weight_bytes() + scale_bytes() + 32 + (stores_dmin ? 32 : 0); }
 };
@@ -132,7 +138,7 @@ void superblock_avx512(int fmt, const FormatInfo& f, const uint8_t* tile, const 
 // AMX: the calling thread must have run amx_configure with the format's sub size (and runs
 // amx_release when done).
 void superblock_amx(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc);
-void amx_configure(int sub);
+void amx_configure(int sub, int rows);  // rows: of the A and C tiles, 1..16
 void amx_release();
 
 // A GGUF block decoded to integers (see decode_block).

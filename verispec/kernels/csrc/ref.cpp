@@ -10,11 +10,11 @@ namespace verispec {
 
 bool format_info(int fmt, FormatInfo* out) {
   switch (fmt) {
-    case Q4_K: *out = {256, 32, 144, true, false, true, true}; return true;
-    case Q6_K: *out = {256, 16, 210, false, false, true, false}; return true;
-    case Q5_0: *out = {32, 32, 22, false, false, false, false}; return true;
-    case Q4_1: *out = {32, 32, 20, true, false, false, true}; return true;
-    case Q8_0: *out = {32, 32, 34, false, true, false, false}; return true;
+    case Q4_K: *out = {256, 32, 144, true, false, false, true, true}; return true;
+    case Q6_K: *out = {256, 16, 210, false, true, false, true, false}; return true;
+    case Q5_0: *out = {32, 32, 22, false, false, false, false, false}; return true;
+    case Q4_1: *out = {32, 32, 20, true, false, false, false, true}; return true;
+    case Q8_0: *out = {32, 32, 34, false, false, true, false, false}; return true;
     default: return false;
   }
 }
@@ -112,14 +112,17 @@ static const uint16_t* d_of(const FormatInfo& f, const uint8_t* tile) {
 
 void write_tile(const FormatInfo& f, const Decoded* cols, uint8_t* tile) {
   const int G = f.groups();
+  std::memset(tile, 0, (size_t)f.weight_bytes());
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < kTile; ++c)
       for (int j = 0; j < 4; ++j) {
         const uint8_t v = (uint8_t)cols[c].q[4 * g + j];
-        uint8_t* p = tile + (f.nibbles ? g / 2 : g) * 64 + 4 * c + j;
-        if (!f.nibbles) *p = v;
-        else if (g % 2 == 0) *p = v;
-        else *p |= (uint8_t)(v << 4);
+        if (f.nibbles || f.high2) {
+          tile[g / 2 * 64 + 4 * c + j] |= (uint8_t)((v & 0xf) << (4 * (g % 2)));
+          if (f.high2) tile[G / 2 * 64 + g / 4 * 64 + 4 * c + j] |= (uint8_t)((v >> 4) << (2 * (g % 4)));
+        } else {
+          tile[g * 64 + 4 * c + j] = v;
+        }
       }
   uint8_t* s = tile + f.weight_bytes();
   if (f.int_scales) {
@@ -157,9 +160,11 @@ static inline float ml_of(const FormatInfo& f, int fmt, const uint8_t* tile, int
 
 static inline int32_t weight_at(const FormatInfo& f, const uint8_t* tile, int k, int c) {
   const int G = f.groups(), g = k / 4, j = k % 4;
-  if (f.nibbles) {
+  if (f.nibbles || f.high2) {
     const uint8_t b = tile[(g / 2) * 64 + 4 * c + j];
-    return g % 2 == 0 ? (b & 0xf) : (b >> 4);
+    const int32_t low = g % 2 == 0 ? (b & 0xf) : (b >> 4);
+    if (!f.high2) return low;
+    return low | ((tile[G / 2 * 64 + g / 4 * 64 + 4 * c + j] >> (2 * (g % 4))) & 3) << 4;
   }
   const uint8_t b = tile[g * 64 + 4 * c + j];
   return f.signed_w ? (int32_t)(int8_t)b : (int32_t)b;
