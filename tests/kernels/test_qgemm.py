@@ -7,6 +7,9 @@ by the kernels; the real models' tensors are checked in ``test_gguf_models.py``.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +19,17 @@ from gguf.constants import GGML_QUANT_SIZES
 from verispec import kernels
 from verispec.kernels import FORMATS, KernelError
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable (no compiler)")
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable (no compiler)")
+
+
+def test_kernels_build_wherever_a_compiler_is():
+    """The suite must exercise the native path: a failed build would otherwise skip every test
+    below and leave GGUF models on the slow dense path unnoticed."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None or os.environ.get("VERISPEC_NATIVE") == "0":
+        pytest.skip("no C++ compiler here (or the kernels are switched off)")
+    assert kernels.available()
+
+
 
 # byte offsets of the fp16 scale fields in one GGUF block, per format
 _FP16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,)}
@@ -47,6 +60,7 @@ def with_threads(n: int, fn):
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
+@needs_kernels
 def test_repacked_weight_equals_gguf_dequantization(fmt):
     n, k = 48, 512
     raw = random_blocks(fmt, n, k)
@@ -56,6 +70,7 @@ def test_repacked_weight_equals_gguf_dequantization(fmt):
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
+@needs_kernels
 def test_rows_are_bit_identical_for_every_row_count_thread_count_and_isa(fmt):
     n, k = 64, 512
     w = kernels.repack(FORMATS[fmt], random_blocks(fmt, n, k, seed=1), n, k)
@@ -70,6 +85,7 @@ def test_rows_are_bit_identical_for_every_row_count_thread_count_and_isa(fmt):
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
+@needs_kernels
 def test_matmul_approximates_the_float_product(fmt):
     """Per-row int8 activations cost well under 2% of the product's norm."""
     n, k = 64, 512
@@ -81,6 +97,7 @@ def test_matmul_approximates_the_float_product(fmt):
     assert ((got - exact).norm() / exact.norm()).item() < 0.02
 
 
+@needs_kernels
 def test_fused_parts_equal_their_separate_products():
     """q and k in Q4_K beside v in Q6_K (a Q4_K_M qkv) quantize x once and write side by side."""
     k = 512
@@ -91,6 +108,7 @@ def test_fused_parts_equal_their_separate_products():
     assert torch.equal(fused, torch.cat([kernels.matmul(x, [p]) for p in parts], dim=1))
 
 
+@needs_kernels
 def test_bias_bf16_input_and_bf16_output_are_the_float32_path_rounded():
     """The fused epilogue adds the bias in float32 and rounds once, as torch's casts would."""
     n, k = 48, 256
@@ -105,6 +123,7 @@ def test_bias_bf16_input_and_bf16_output_are_the_float32_path_rounded():
     assert torch.equal(got, (plain + bias).to(torch.bfloat16))
 
 
+@needs_kernels
 def test_zero_and_tiny_rows():
     n, k = 16, 256
     w = kernels.repack(FORMATS["Q4_K"], random_blocks("Q4_K", n, k), n, k)
@@ -115,6 +134,7 @@ def test_zero_and_tiny_rows():
     assert torch.isfinite(y).all()
 
 
+@needs_kernels
 def test_bad_input_is_a_clear_error():
     w = kernels.repack(FORMATS["Q8_0"], random_blocks("Q8_0", 16, 64), 16, 64)
     with pytest.raises(KernelError, match="features"):
@@ -127,6 +147,7 @@ def test_bad_input_is_a_clear_error():
         kernels.check_format(FORMATS["Q4_K"], 16, 96)
 
 
+@needs_kernels
 def test_fused_inputs_and_residual():
     """glu makes silu(gate) * up, norm makes RMSNorm(x) * w, each row alone in fixed float32 steps
     (so rows stay bit-identical for every row count); residual is added like a separate add."""
@@ -155,6 +176,7 @@ def test_fused_inputs_and_residual():
 
 
 @pytest.mark.parametrize("fused", ["plain", "glu", "norm"])
+@needs_kernels
 def test_layer_inputs_are_bit_identical_for_every_isa_thread_count_and_row_count(fused):
     """The input blocks are made and quantized in parallel, by the AVX2 code on every path but the
     scalar one: each row must still be the scalar path's row made alone on one thread, also where
@@ -191,6 +213,7 @@ def _reference_attention(q, k, v, mask, scale):
     return (torch.softmax(scores, dim=-1) @ v).float()
 
 
+@needs_kernels
 def test_attention_rows_depend_only_on_their_own_keys():
     """A row's bits do not change with the rows beside it, with the number of cache entries the
     pass spans past its keys (torch's float32 matmuls did, from 512 keys on), with the thread
@@ -225,12 +248,14 @@ def test_attention_rows_depend_only_on_their_own_keys():
                        kernels.attention(q[:, :, :1], packed_k, packed_v, step_mask, scale))
 
 
+@needs_kernels
 def test_attention_bad_input_is_a_clear_error():
     q = torch.randn(1, 2, 1, 24)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kernels.attention(q, torch.randn(1, 1, 4, 24), torch.randn(1, 1, 4, 24), torch.ones(1, 1, 4, dtype=torch.bool), 1.0)
 
 
+@needs_kernels
 def test_qkv_rope_equals_the_decoders_pytorch_form():
     """Split into heads and rotate q and k: bit for bit the decoder's PyTorch ops."""
     from verispec.models.decoder import _rotate_half

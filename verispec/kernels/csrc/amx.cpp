@@ -3,8 +3,8 @@
 // times unsigned weights; tdpbssd for Q8_0's signed weights), which the VNNI path computes with
 // one dpbusd per row and group of 4 k. The packed layout's groups ([16 columns][4 k] bytes) are
 // already the B-tile layout: Q8_0's weights load straight from the packed tile, 4-bit ones after
-// splitting the nibbles, and Q6_K's (joined from their 4+2 bits) and Q5_0's with their integer
-// offset taken off each byte (w - 32 and w - 16 fit int8), so that tdpbssd returns sum q * (w - o) = isum directly, with no
+// splitting the nibbles, and Q6_K's and Q5_0's joined from their 4+2 and 4+1 bits, with their
+// integer offset taken off each byte (w - 32 and w - 16 fit int8), so that tdpbssd returns sum q * (w - o) = isum directly, with no
 // per-row offset term. The sums are the contract's exact int32 isum, and the fp32 steps
 // per row and sub are the avx512 path's, in the same order: the bits are the same as on every
 // other path, for any number of rows.
@@ -56,20 +56,19 @@ void unpack_nibbles(const FormatInfo& f, const uint8_t* tile, uint8_t* w) {
   }
 }
 
-// Q6_K's 4+2 bits, minus the integer offset 32, as int8 (see group_pair in avx512.cpp).
-void unpack_high2(const FormatInfo& f, const uint8_t* tile, uint8_t* w) {
-  const int G = f.groups();
-  const __m512i low = _mm512_set1_epi8(0x0f), hmask = _mm512_set1_epi8(0x30), o = _mm512_set1_epi8(32);
-  for (int q = 0; q < G / 4; ++q) {
-    const __m512i h = _mm512_loadu_si512(tile + G / 2 * 64 + 64 * q);
-    const __m512i hs[4] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 2), h, _mm512_srli_epi16(h, 2)};
-    for (int i = 0; i < 4; ++i) {
-      const int g = 4 * q + i;
-      const __m512i v = _mm512_loadu_si512(tile + 64 * (g / 2));
-      const __m512i nib = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(v, 4) : v, low);
-      const __m512i wv = _mm512_or_si512(nib, _mm512_and_si512(hs[i], hmask));
-      _mm512_store_si512(w + 64 * g, _mm512_sub_epi8(wv, o));
-    }
+// Q6_K's 4+2 and Q5_0's 4+1 bits joined (see high_bits in avx512.cpp), minus the integer
+// offset, as int8 (the values fit: 0..63 - 32, 0..31 - 16).
+void unpack_high(const FormatInfo& f, const uint8_t* tile, int off, uint8_t* w) {
+  const int G = f.groups(), hb = f.hbits, per = 8 / hb;
+  const __m512i low = _mm512_set1_epi8(0x0f), hmask = _mm512_set1_epi8((char)(((1 << hb) - 1) << 4));
+  const __m512i o = _mm512_set1_epi8((char)off);
+  for (int g = 0; g < G; ++g) {
+    const __m512i h = _mm512_loadu_si512(tile + G / 2 * 64 + g / per * 64);
+    const int sh = 4 - hb * (g % per);
+    const __m512i hs = sh > 0 ? _mm512_slli_epi16(h, sh) : sh < 0 ? _mm512_srli_epi16(h, -sh) : h;
+    const __m512i v = _mm512_loadu_si512(tile + 64 * (g / 2));
+    const __m512i nib = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+    _mm512_store_si512(w + 64 * g, _mm512_sub_epi8(_mm512_or_si512(nib, _mm512_and_si512(hs, hmask)), o));
   }
 }
 
@@ -151,7 +150,7 @@ void superblock_amx(int fmt, const FormatInfo& f, const uint8_t* tile, const QAc
   Unpacked u;
   const uint8_t* w = u.w;
   if (f.nibbles) unpack_nibbles(f, tile, u.w);
-  else if (f.high2) unpack_high2(f, tile, u.w);
+  else if (f.hbits) unpack_high(f, tile, int_offset(fmt), u.w);
   else if (int_offset(fmt)) unpack_offset(f, tile, int_offset(fmt), u.w);
   else w = tile;  // Q8_0
   unpack_scales(fmt, f, tile, &u);

@@ -22,15 +22,15 @@ static void unpack_weights(const FormatInfo& f, const uint8_t* tile, Unpacked* u
       _mm256_store_si256((__m256i*)(u->w + 128 * g + 64 + 32 * half),
                          _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
     }
-  } else if (f.high2) {  // Q6_K: nibbles and high 2 bits joined (see group_pair in avx512.cpp)
-    const __m256i low = _mm256_set1_epi8(0x0f), hmask = _mm256_set1_epi8(0x30);
+  } else if (f.hbits) {  // Q6_K, Q5_0: nibbles and high bits joined (see high_bits in avx512.cpp)
+    const int hb = f.hbits, per = 8 / hb;
+    const __m256i low = _mm256_set1_epi8(0x0f), hmask = _mm256_set1_epi8((char)(((1 << hb) - 1) << 4));
     for (int g = 0; g < G; ++g)
       for (int half = 0; half < 2; ++half) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(tile + 64 * (g / 2) + 32 * half));
-        const __m256i h = _mm256_loadu_si256((const __m256i*)(tile + G / 2 * 64 + 64 * (g / 4) + 32 * half));
-        const int i = g % 4;
-        const __m256i hs = i == 0 ? _mm256_slli_epi16(h, 4) : i == 1 ? _mm256_slli_epi16(h, 2)
-                         : i == 2 ? h : _mm256_srli_epi16(h, 2);
+        const __m256i h = _mm256_loadu_si256((const __m256i*)(tile + G / 2 * 64 + 64 * (g / per) + 32 * half));
+        const int sh = 4 - hb * (g % per);
+        const __m256i hs = sh > 0 ? _mm256_slli_epi16(h, sh) : sh < 0 ? _mm256_srli_epi16(h, -sh) : h;
         const __m256i nib = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(v, 4) : v, low);
         _mm256_store_si256((__m256i*)(u->w + 64 * g + 32 * half), _mm256_or_si256(nib, _mm256_and_si256(hs, hmask)));
       }

@@ -18,26 +18,31 @@ static inline __m512i bcast4(const int8_t* p) {
   return _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss((const float*)p)));
 }
 
+// The high bits of group g (HB of them, HB > 0: Q6_K 2, Q5_0 1) moved to bits 4 and up of each
+// byte, from a high-bit block h (see the layout in qgemm.h). The shifts are 16-bit; the mask
+// drops what crosses from the neighbouring byte.
+template <int HB>
+static inline __m512i high_bits(__m512i h, int g) {
+  constexpr int per = 8 / HB;
+  const int sh = 4 - HB * (g % per);
+  const __m512i v = sh > 0 ? _mm512_slli_epi16(h, sh) : sh < 0 ? _mm512_srli_epi16(h, -sh) : h;
+  return _mm512_and_si512(v, _mm512_set1_epi8((char)(((1 << HB) - 1) << 4)));
+}
+
 // Groups g and g + 1 of a tile superblock as dpbusd's unsigned operand: both nibbles of one
-// 64-byte load (4-bit formats), or two loads; for Q8_0 the magnitudes, with the signs in neg.
-// Q6_K's 4+2 bits (H2, G groups in all; g even): the nibbles as for 4-bit formats, and the high
-// two bits of groups g and g + 1 from bits 2 (g % 4) and 2 (g % 4) + 2 of the high plane, moved to
-// bits 4-5 (16-bit shifts: the mask drops what crosses from the neighbouring byte).
-template <bool NIB, bool H2, bool SIGNED, int G = 0>
+// 64-byte load (4-bit formats; with HB, joined with their high bits), or two loads; for Q8_0 the
+// magnitudes, with the signs in neg. G: the superblock's groups.
+template <bool NIB, int HB, bool SIGNED, int G>
 static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* w1, __mmask64* n0, __mmask64* n1) {
-  if constexpr (NIB || H2) {
+  if constexpr (NIB || HB) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     const __m512i v = _mm512_loadu_si512(tile + 32 * g);  // byte block g / 2
-    if constexpr (H2) {
-      const __m512i hmask = _mm512_set1_epi8(0x30);
-      const __m512i h = _mm512_loadu_si512(tile + G / 2 * 64 + g / 4 * 64);
-      const __m512i h0 = g % 4 == 0 ? _mm512_slli_epi16(h, 4) : h;
-      const __m512i h1 = g % 4 == 0 ? _mm512_slli_epi16(h, 2) : _mm512_srli_epi16(h, 2);
-      *w0 = _mm512_or_si512(_mm512_and_si512(v, low), _mm512_and_si512(h0, hmask));
-      *w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), _mm512_and_si512(h1, hmask));
-    } else {
-      *w0 = _mm512_and_si512(v, low);
-      *w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    *w0 = _mm512_and_si512(v, low);
+    *w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    if constexpr (HB > 0) {
+      const __m512i h = _mm512_loadu_si512(tile + G / 2 * 64 + g / (8 / HB) * 64);
+      *w0 = _mm512_or_si512(*w0, high_bits<HB>(h, g));
+      *w1 = _mm512_or_si512(*w1, high_bits<HB>(h, g + 1));
     }
   } else {
     const __m512i v0 = _mm512_loadu_si512(tile + 64 * g), v1 = _mm512_loadu_si512(tile + 64 * g + 64);
@@ -56,7 +61,7 @@ static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* 
 // R rows at once, reading the weights straight from the packed tile: each pair of groups is
 // loaded (and its nibbles split) once for the R rows, and the R independent dpbusd chains hide
 // the instruction's latency.
-template <int KB, int SUB, bool NIB, bool H2, bool SIGNED, int OFF, bool FPOFF, int R>
+template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, int R>
 static void rows_block(const uint8_t* tile, const Unpacked& u, const QActs& a, int64_t s, float* acc, int64_t m0) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4;
   const int64_t b0 = s * (KB / kActBlock);
@@ -79,7 +84,7 @@ static void rows_block(const uint8_t* tile, const Unpacked& u, const QActs& a, i
       const int g = j * GPS + gg;
       __m512i w0, w1;
       __mmask64 n0 = 0, n1 = 0;
-      group_pair<NIB, H2, SIGNED, KB / 4>(tile, g, &w0, &w1, &n0, &n1);
+      group_pair<NIB, HB, SIGNED, KB / 4>(tile, g, &w0, &w1, &n0, &n1);
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
         __m512i x0 = bcast4(xj + kActBlock * r + 4 * gg), x1 = bcast4(xj + kActBlock * r + 4 * gg + 4);
@@ -110,16 +115,16 @@ static void rows_block(const uint8_t* tile, const Unpacked& u, const QActs& a, i
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (m0 + r) * kTile, y[r]);
 }
 
-template <int KB, int SUB, bool NIB, bool H2, bool SIGNED, int OFF, bool FPOFF>
+template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF>
 static void rows(const uint8_t* tile, const Unpacked& u, const QActs& a, int64_t s, float* acc) {
   // Blocks of 8 rows, and the rest in one block: up to 12 rows fit the 32 zmm registers (12
   // accumulators, 12 sums, the weights), so a 9-row verify pass is one block, not 8 + 1 (a lone
   // row runs at its latency-bound cost, about 2.4 rows' worth in a block).
   int64_t m = 0;
-  for (; a.m - m > 12; m += 8) rows_block<KB, SUB, NIB, H2, SIGNED, OFF, FPOFF, 8>(tile, u, a, s, acc, m);
+  for (; a.m - m > 12; m += 8) rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 8>(tile, u, a, s, acc, m);
   switch (a.m - m) {
 #define VERISPEC_ROWS(R) \
-    case R: rows_block<KB, SUB, NIB, H2, SIGNED, OFF, FPOFF, R>(tile, u, a, s, acc, m); break;
+    case R: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, R>(tile, u, a, s, acc, m); break;
     VERISPEC_ROWS(1) VERISPEC_ROWS(2) VERISPEC_ROWS(3) VERISPEC_ROWS(4) VERISPEC_ROWS(5) VERISPEC_ROWS(6)
     VERISPEC_ROWS(7) VERISPEC_ROWS(8) VERISPEC_ROWS(9) VERISPEC_ROWS(10) VERISPEC_ROWS(11) VERISPEC_ROWS(12)
 #undef VERISPEC_ROWS
@@ -130,11 +135,11 @@ void superblock_avx512(int fmt, const FormatInfo& f, const uint8_t* tile, const 
   Unpacked u;  // the scales only: the weights are read from the tile
   unpack_scales(fmt, f, tile, &u);
   switch (fmt) {
-    case Q4_K: rows<256, 32, true, false, false, 0, true>(tile, u, a, s, acc); break;
-    case Q6_K: rows<256, 16, false, true, false, 32, false>(tile, u, a, s, acc); break;
-    case Q5_0: rows<32, 32, false, false, false, 16, false>(tile, u, a, s, acc); break;
-    case Q4_1: rows<32, 32, true, false, false, 0, true>(tile, u, a, s, acc); break;
-    case Q8_0: rows<32, 32, false, false, true, 0, false>(tile, u, a, s, acc); break;
+    case Q4_K: rows<256, 32, true, 0, false, 0, true>(tile, u, a, s, acc); break;
+    case Q6_K: rows<256, 16, false, 2, false, 32, false>(tile, u, a, s, acc); break;
+    case Q5_0: rows<32, 32, false, 1, false, 16, false>(tile, u, a, s, acc); break;
+    case Q4_1: rows<32, 32, true, 0, false, 0, true>(tile, u, a, s, acc); break;
+    case Q8_0: rows<32, 32, false, 0, true, 0, false>(tile, u, a, s, acc); break;
   }
 }
 

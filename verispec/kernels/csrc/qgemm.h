@@ -32,9 +32,11 @@
 //   weights   8-bit formats: G x [16 cols][4 k] bytes        (byte = w[4g + j] of column c)
 //             4-bit formats: G/2 x [16 cols][4 k] bytes, low nibble group 2h, high nibble 2h + 1
 //             (both nibbles of a byte in one sub, so one load feeds two groups of the same sub)
-//             Q6_K (4+2 bits): the low 4 bits as the 4-bit formats, then G/4 x [16 cols][4 k]
-//             bytes of the high 2 bits, block q holding group 4q + i in bits 2i, 2i + 1 (one
-//             Q6_K sub of 16 k is groups 4j..4j+3: nibble blocks 2j, 2j + 1 and high block j)
+//             Q6_K and Q5_0 (4+2 and 4+1 bits, hb high bits): the low 4 bits as the 4-bit
+//             formats, then G*hb/8 x [16 cols][4 k] bytes of the high bits, each block holding
+//             per = 8/hb groups, group g in block g / per at bits hb * (g % per) and up (so a
+//             Q6_K sub of 16 k, groups 4j..4j+3, is nibble blocks 2j, 2j + 1 and high block j;
+//             Q5_0's 8 groups share one high block)
 //   scales    Q4_K: sc[8][16] u8, then mn[8][16] u8;  Q6_K: sc[16][16] int8;  others: none
 //   d         [16] fp16 (the file's own bits)
 //   dmin      Q4_K: dmin[16] fp16;  Q4_1: m[16] fp16;  others: none
@@ -55,12 +57,12 @@ enum Format : int {  // ggml's type ids
   Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14,
 };
 
-struct FormatInfo {
+struct FormatInfo {  // (field order: the initialisers in format_info)
   int kb;            // superblock (activation block) size
   int sub;           // k per integer scale
   int block_bytes;   // bytes of one GGUF block (one KB run of one row)
   bool nibbles;      // 4-bit storage
-  bool high2;        // 4+2-bit storage (Q6_K): the nibbles, then a plane of the high 2 bits
+  int hbits;         // 4+hbits-bit storage (Q6_K 2, Q5_0 1): the nibbles, then the high bits
   bool signed_w;     // weights are int8 (Q8_0)
   bool int_scales;   // per-sub integer scales stored (Q4_K, Q6_K)
   bool stores_dmin;  // a second fp16 per column (Q4_K dmin, Q4_1 m)
@@ -68,7 +70,7 @@ struct FormatInfo {
   int groups() const { return kb / 4; }
   int nsub() const { return kb / sub; }
   int weight_bytes() const {
-    return nibbles ? groups() / 2 * 64 : high2 ? groups() / 2 * 64 + groups() / 4 * 64 : groups() * 64;
+    return nibbles ? groups() / 2 * 64 : hbits ? groups() / 2 * 64 + groups() * hbits / 8 * 64 : groups() * 64;
   }
   int scale_bytes() const { return int_scales ? (stores_dmin ? 2 : 1) * nsub() * 16 : 0; }
   int tile_bytes() const { return weight_bytes() + scale_bytes() + 32 + (stores_dmin ? 32 : 0); }

@@ -10,11 +10,11 @@ namespace verispec {
 
 bool format_info(int fmt, FormatInfo* out) {
   switch (fmt) {
-    case Q4_K: *out = {256, 32, 144, true, false, false, true, true}; return true;
-    case Q6_K: *out = {256, 16, 210, false, true, false, true, false}; return true;
-    case Q5_0: *out = {32, 32, 22, false, false, false, false, false}; return true;
-    case Q4_1: *out = {32, 32, 20, true, false, false, false, true}; return true;
-    case Q8_0: *out = {32, 32, 34, false, false, true, false, false}; return true;
+    case Q4_K: *out = {256, 32, 144, true, 0, false, true, true}; return true;
+    case Q6_K: *out = {256, 16, 210, false, 2, false, true, false}; return true;
+    case Q5_0: *out = {32, 32, 22, false, 1, false, false, false}; return true;
+    case Q4_1: *out = {32, 32, 20, true, 0, false, false, true}; return true;
+    case Q8_0: *out = {32, 32, 34, false, 0, true, false, false}; return true;
     default: return false;
   }
 }
@@ -117,9 +117,10 @@ void write_tile(const FormatInfo& f, const Decoded* cols, uint8_t* tile) {
     for (int c = 0; c < kTile; ++c)
       for (int j = 0; j < 4; ++j) {
         const uint8_t v = (uint8_t)cols[c].q[4 * g + j];
-        if (f.nibbles || f.high2) {
+        if (f.nibbles || f.hbits) {
           tile[g / 2 * 64 + 4 * c + j] |= (uint8_t)((v & 0xf) << (4 * (g % 2)));
-          if (f.high2) tile[G / 2 * 64 + g / 4 * 64 + 4 * c + j] |= (uint8_t)((v >> 4) << (2 * (g % 4)));
+          const int per = f.hbits ? 8 / f.hbits : 1;
+          if (f.hbits) tile[G / 2 * 64 + g / per * 64 + 4 * c + j] |= (uint8_t)((v >> 4) << (f.hbits * (g % per)));
         } else {
           tile[g * 64 + 4 * c + j] = v;
         }
@@ -160,11 +161,12 @@ static inline float ml_of(const FormatInfo& f, int fmt, const uint8_t* tile, int
 
 static inline int32_t weight_at(const FormatInfo& f, const uint8_t* tile, int k, int c) {
   const int G = f.groups(), g = k / 4, j = k % 4;
-  if (f.nibbles || f.high2) {
+  if (f.nibbles || f.hbits) {
     const uint8_t b = tile[(g / 2) * 64 + 4 * c + j];
     const int32_t low = g % 2 == 0 ? (b & 0xf) : (b >> 4);
-    if (!f.high2) return low;
-    return low | ((tile[G / 2 * 64 + g / 4 * 64 + 4 * c + j] >> (2 * (g % 4))) & 3) << 4;
+    if (!f.hbits) return low;
+    const int per = 8 / f.hbits;
+    return low | ((tile[G / 2 * 64 + g / per * 64 + 4 * c + j] >> (f.hbits * (g % per))) & ((1 << f.hbits) - 1)) << 4;
   }
   const uint8_t b = tile[g * 64 + 4 * c + j];
   return f.signed_w ? (int32_t)(int8_t)b : (int32_t)b;
