@@ -13,6 +13,7 @@ Slow (real models; each loads in seconds once fetched).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +125,37 @@ def test_packing_a_native_model_again_is_a_clear_error(smollm):
 
     with pytest.raises(QuantizationError, match="already quantized"):
         quantize_(smollm.model, "int8")
+
+
+def test_repacked_weights_are_cached_and_mapped_back(tmp_path, monkeypatch):
+    """The first load repacks and writes the cache; the next one maps it and repacks nothing,
+    with the same packed bytes; a damaged cache is ignored with a warning, not trusted."""
+    from verispec.models.native import use_gguf_weights_
+
+    name = "smollm2-135m-instruct"
+    first = load_model(name, progress=False, quantization="none").model
+    use_gguf_weights_(first, fetch(name, progress=False), cache=tmp_path)
+    (cached,) = tmp_path.iterdir()
+    assert (cached / "index.json").is_file()
+
+    def no_repack(*args, **kwargs):
+        raise AssertionError("repacked although the cache holds the weights")
+
+    monkeypatch.setattr(kernels, "repack", no_repack)
+    second = load_model(name, progress=False, quantization="none").model
+    use_gguf_weights_(second, fetch(name, progress=False), cache=tmp_path)
+    a = [m for m in first.modules() if isinstance(m, NativeLinear)]
+    b = [m for m in second.modules() if isinstance(m, NativeLinear)]
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert [(p.fmt, p.n, p.k) for p in x.parts] == [(p.fmt, p.n, p.k) for p in y.parts]
+        assert all(torch.equal(p.data, q.data) for p, q in zip(x.parts, y.parts))
+
+    monkeypatch.undo()
+    (cached / "index.json").write_text("{not json")
+    third = load_model(name, progress=False, quantization="none").model
+    with pytest.warns(UserWarning, match="unreadable repacked-weight cache"):
+        use_gguf_weights_(third, fetch(name, progress=False), cache=tmp_path)
+    c = [m for m in third.modules() if isinstance(m, NativeLinear)]
+    assert all(torch.equal(p.data, q.data) for x, y in zip(a, c) for p, q in zip(x.parts, y.parts))
+    assert json.loads((cached / "index.json").read_text())  # written again, whole

@@ -66,6 +66,15 @@ def _build_key() -> str:
     return h.hexdigest()[:16]
 
 
+def layout_key() -> str:
+    """A hash of the packed layout's definition (``qgemm.h`` and ``ref.cpp``, where tiles are
+    written): repacked weights cached on disk are valid while it stays the same."""
+    h = hashlib.sha256()
+    for name in ("qgemm.h", "ref.cpp"):
+        h.update((CSRC / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
 @functools.cache
 def native():
     """The compiled extension module, building it on first use; None where it cannot be built."""
@@ -169,6 +178,12 @@ def repack(fmt: int, raw: np.ndarray | Tensor, n: int, k: int) -> PackedWeight:
     else:
         data = raw.contiguous().view(torch.uint8).reshape(-1)
     return PackedWeight(fmt, n, k, _lib().repack(fmt, data, n, k))
+
+
+def packed_nbytes(fmt: int, n: int, k: int) -> int:
+    """Bytes of a [n, k] weight of type ``fmt`` in the tile layout."""
+    check_format(fmt, n, k)
+    return int(_lib().packed_nbytes(fmt, n, k))
 
 
 def concat(weights: list[PackedWeight]) -> list[PackedWeight]:

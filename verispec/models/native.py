@@ -8,6 +8,12 @@ per GGUF tensor, so q and k in Q4_K can sit beside v in Q6_K, as Q4_K_M files mi
 whose tensors the kernels cannot run (float tensors, other types, widths off the kernels' grid)
 keeps its dense weights; :func:`use_gguf_weights_` reports how many did.
 
+Repacking happens once per GGUF file: the packed parts are written to
+``$VERISPEC_HOME/repacked/<key>/`` (the key hashes the file's path, size and modification time
+and the kernels' layout) and later loads map them from there (copy-on-write, so the pages are
+shared between processes and nothing is copied). Repacking the 1.5B model took 1.9 s of a 5.9 s
+load. A cache that cannot be written only costs the repacking.
+
 Exactness. Each output row of a native layer is bit-identical whatever the number of rows and
 threads (the kernels' contract), so decode, verify and tree passes agree bit for bit, as
 speculative decoding needs. Prompt prefill (``PREFILL_MIN_TOKENS`` rows or more) on a CPU with
@@ -18,6 +24,11 @@ faster over hundreds of rows; plain and speculative decoding prefill alike, so o
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -28,7 +39,79 @@ from torch import Tensor, nn
 from verispec import kernels
 from verispec.kernels import KernelError, PackedWeight
 
-__all__ = ["NativeLinear", "use_gguf_weights_", "is_native", "float_activations_"]
+__all__ = ["NativeLinear", "use_gguf_weights_", "is_native", "float_activations_", "RepackCache"]
+
+_ALIGN = 64  # bytes: each cached part starts on a cache line
+
+
+class RepackCache:
+    """Packed parts of one GGUF file on disk: ``parts.bin`` (every part's bytes, aligned) and
+    ``index.json`` (per layer: the parts' format, shape, offset). Written once, whole, by
+    :meth:`save` (to a temporary directory that is then renamed), so a reader never sees half."""
+
+    def __init__(self, gguf_path: str | Path, root: Path | None = None) -> None:
+        from verispec.models.registry import verispec_home
+
+        path = Path(gguf_path).resolve()
+        st = path.stat()
+        key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{kernels.layout_key()}".encode()).hexdigest()[:16]
+        self.dir = (root if root is not None else verispec_home() / "repacked") / f"{path.stem}-{key}"
+        self.entries: dict[str, list[PackedWeight]] = {}
+        self.loaded = False
+        index = self.dir / "index.json"
+        if index.is_file():
+            try:
+                self._read(json.loads(index.read_text()))
+                self.loaded = True
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                warnings.warn(f"ignoring the unreadable repacked-weight cache {self.dir} ({exc}); "
+                              "it is written again", stacklevel=3)
+                self.entries = {}
+                shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _read(self, index: dict) -> None:
+        blob = np.memmap(self.dir / "parts.bin", dtype=np.uint8, mode="c")  # copy-on-write: writable, shared
+        data = torch.from_numpy(blob)
+        for layer, parts in index.items():
+            self.entries[layer] = [
+                PackedWeight(int(fmt), int(n), int(k), data[off : off + size])
+                for fmt, n, k, off, size in parts
+            ]
+            for p in self.entries[layer]:
+                kernels.check_format(p.fmt, p.n, p.k)
+                if p.nbytes != kernels.packed_nbytes(p.fmt, p.n, p.k):
+                    raise ValueError(f"{layer}: {p.nbytes} bytes for a [{p.n}, {p.k}] part")
+
+    def get(self, layer: str) -> list[PackedWeight] | None:
+        return self.entries.get(layer)
+
+    def put(self, layer: str, parts: list[PackedWeight]) -> None:
+        self.entries[layer] = parts
+
+    def save(self) -> None:
+        """Write every entry; on failure (a full disk, no permission) warn and carry on."""
+        try:
+            self.dir.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=self.dir.parent, prefix=".tmp-"))
+            index, off = {}, 0
+            with open(tmp / "parts.bin", "wb") as f:
+                for layer, parts in self.entries.items():
+                    index[layer] = []
+                    for p in parts:
+                        pad = -off % _ALIGN
+                        f.write(b"\0" * pad)
+                        off += pad
+                        f.write(p.data.numpy().tobytes())
+                        index[layer].append([p.fmt, p.n, p.k, off, p.nbytes])
+                        off += p.nbytes
+            (tmp / "index.json").write_text(json.dumps(index))
+            try:
+                os.replace(tmp, self.dir)
+            except OSError:  # another process wrote it first: keep theirs
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as exc:
+            warnings.warn(f"could not cache the repacked weights in {self.dir} ({exc}); "
+                          "the next load repacks them again", stacklevel=3)
 
 
 class NativeLinear(nn.Module):
@@ -96,12 +179,14 @@ def is_native(model: nn.Module) -> bool:
     return any(isinstance(m, NativeLinear) for m in model.modules())
 
 
-def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bool | None = None) -> int:
+def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bool | None = None,
+                      cache: bool | Path = True) -> int:
     """Replace ``model``'s linear layers by native layers on the GGUF's own blocks; returns how
     many layers stayed dense. ``model`` is the :class:`~verispec.models.decoder.Decoder` loaded
     from the same file. ``keep_dense``: keep the dense bf16 weights for prompt prefill (default:
-    where the CPU has native bf16 arithmetic). Raises :class:`KernelError` if the kernels are
-    unavailable."""
+    where the CPU has native bf16 arithmetic). ``cache``: read and write the repacked weights in
+    the default cache (True), in a directory (a path), or not at all (False). Raises
+    :class:`KernelError` if the kernels are unavailable."""
     from verispec.models.decoder import cpu_has_native_bf16
     from verispec.models.gguf_convert import _unpermute_rotary, read_gguf_header
     from verispec.models.quant import _as_linear
@@ -111,6 +196,7 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
     if model.device.type != "cpu":
         raise KernelError(f"the native kernels run on the CPU, not on {model.device.type}")
     keep = cpu_has_native_bf16() if keep_dense is None else keep_dense
+    store = None if cache is False else RepackCache(gguf_path, None if cache is True else Path(cache))
     header = read_gguf_header(gguf_path)
     infos = {t.name: t for t in header.tensors}
     data = np.memmap(header.path, dtype=np.uint8, mode="r")
@@ -135,9 +221,16 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
         return kernels.repack(info.ggml_type, raw, n, k)
 
     def native(layer: nn.Linear, names: list[str], head: bool = False) -> nn.Module:
-        parts = [packed(n) for n in names]
-        if any(p is None for p in parts) or sum(p.n for p in parts) != layer.out_features \
-                or parts[0].k != layer.in_features:
+        key = "+".join(names)
+        parts = None if store is None else store.get(key)
+        if parts is None:
+            parts = [packed(n) for n in names]
+            if any(p is None for p in parts):
+                return layer
+            parts = kernels.concat(parts)
+            if store is not None and not store.loaded:
+                store.put(key, parts)
+        if sum(p.n for p in parts) != layer.out_features or parts[0].k != layer.in_features:
             return layer
         bias = None if layer.bias is None else layer.bias.detach().float()
         dense_copy = layer.weight.detach().to(torch.bfloat16) if keep and not head else None
@@ -160,6 +253,8 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
     else:
         model.lm_head = new_head
     del data
+    if store is not None and not store.loaded:
+        store.save()
     if dense:
         warnings.warn(
             f"{Path(gguf_path).name}: {dense} linear layer(s) hold tensors the native kernels do not run "

@@ -82,6 +82,7 @@ void check_shape(const FormatInfo& f, int64_t n, int64_t k) {
 }
 
 int64_t packed_bytes(const FormatInfo& f, int64_t n, int64_t k) { return n / kTile * (k / f.kb) * f.tile_bytes(); }
+int64_t packed_nbytes(int64_t fmt, int64_t n, int64_t k) { return packed_bytes(info_or_throw(fmt), n, k); }
 
 }  // namespace
 
@@ -316,6 +317,7 @@ std::vector<torch::Tensor> qkv_rope(torch::Tensor qkv, torch::Tensor cos, torch:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &verispec::attention, "row-invariant attention over the cache (attention.cpp)");
   m.def("qkv_rope", &verispec::qkv_rope, "q/k/v split into heads, RoPE on q and k (attention.cpp)");
+  m.def("packed_nbytes", &verispec::packed_nbytes, "bytes of a packed [n, k] weight");
   m.def("repack", &verispec::repack, "GGUF blocks -> packed tiles");
   m.def("dequantize", &verispec::dequantize, "packed tiles -> float32 weight, as gguf dequantizes");
   m.def("linear", &verispec::linear, "x @ W.T (+ bias) over packed parts");
