@@ -13,6 +13,7 @@ import pytest
 from distribution import PROMPT as DIST_PROMPT
 from distribution import SETTINGS, exact_joint, goodness_of_fit, passes, sample_counts, target_and_draft
 from tiny import loaded
+from verispec import kernels
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
 from verispec.models.quant import quantize_
@@ -34,12 +35,16 @@ def run(target_model, prompt, params, drafter=None, k=0):
     return Engine(loaded(target_model), spec, max_model_len=512, drafter=drafter).generate(prompt, params)
 
 
-@pytest.fixture(scope="module", params=[("int8", False), ("int8", True), ("int4", False), ("int4", True)],
-                ids=["int8", "int8-dense-prefill", "int4", "int4-dense-prefill"])
+@pytest.fixture(scope="module", params=[(s, d, n) for n in (False, True) for s in ("int8", "int4") for d in (False, True)],
+                ids=[f"{s}{'-dense-prefill' if d else ''}-{'native' if n else 'torch'}"
+                     for n in (False, True) for s in ("int8", "int4") for d in (False, True)])
 def quantized_target(request, target):
-    """With and without the dense bf16 copies that a long prompt's prefill multiplies by."""
-    scheme, dense = request.param
-    return quantize_(copy.deepcopy(target), scheme, dense_prefill=dense)
+    """With and without the dense bf16 copies that a long prompt's prefill multiplies by, on
+    PyTorch's kernels and on the native ones."""
+    scheme, dense, native = request.param
+    if native and not kernels.available():
+        pytest.skip("native kernels unavailable (no compiler)")
+    return quantize_(copy.deepcopy(target), scheme, dense_prefill=dense, native=native)
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["short", "long"])

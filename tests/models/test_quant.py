@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from tiny import tiny_model
+from verispec import kernels
 from verispec.models.decoder import PREFILL_MIN_TOKENS
+from verispec.models.native import NativeLinear
 from verispec.models.quant import Int4Linear, Int8Linear, QuantizationError, is_quantized, quantize_
 from verispec.runtime import physical_cores, set_threads
 
@@ -60,39 +62,74 @@ def test_rows_are_batch_invariant(name):
     assert torch.equal(together, alone)
 
 
-def test_quantize_replaces_every_projection_and_packs_the_head():
+native_kernels = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable (no compiler)")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantize_replaces_every_projection_and_packs_the_head(scheme):
     model = tiny_model(seed=3)
     embed = model.embed.weight.clone()
-    quantize_(model, "int4")
+    quantize_(model, scheme, native=False)
     assert is_quantized(model)
+    kind = Int4Linear if scheme == "int4" else Int8Linear
     for layer in model.layers:
-        assert all(isinstance(m, Int4Linear) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        assert all(isinstance(m, kind) for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
     assert isinstance(model.lm_head, Int8Linear)
     assert torch.equal(model.embed.weight, embed)  # the lookup table stays as it was
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
 
 
-def test_quantized_logits_stay_close_to_bf16_in_decode_and_long_prefill():
+@native_kernels
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_on_the_native_kernels_int8_is_q8_0_and_int4_is_q4_1_as_gguf_quantizes_them(scheme):
+    """The default where the kernels run: GGUF's formats, from gguf's own quantizer, so the
+    weight multiplied is gguf's dequantization of gguf's quantization; the head is Q8_0."""
+    from gguf import GGMLQuantizationType, quants
+
+    model = tiny_model(seed=3)
+    weights = {id(layer): layer.gate_up.weight.detach().float().clone() for layer in model.layers}
+    head = model.lm_head.weight.detach().float().clone()
+    quantize_(model, scheme)
+    fmt = {"int8": "Q8_0", "int4": "Q4_1"}[scheme]
+    for layer in model.layers:
+        assert all(isinstance(m, NativeLinear) and [kernels.format_name(p.fmt) for p in m.parts] == [fmt]
+                   for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        w = weights[id(layer)].numpy()
+        t = GGMLQuantizationType[fmt]
+        assert torch.equal(layer.gate_up.dequantize(), torch.from_numpy(quants.dequantize(quants.quantize(w, t), t)))
+    assert [kernels.format_name(p.fmt) for p in model.lm_head.parts] == ["Q8_0"] and model.lm_head.float_output
+    t = GGMLQuantizationType.Q8_0
+    assert torch.equal(model.lm_head.dequantize(), torch.from_numpy(quants.dequantize(quants.quantize(head.numpy(), t), t)))
+    with pytest.raises(QuantizationError, match="groups of 32"):
+        quantize_(tiny_model(seed=3), "int4", group_size=64, native=True)
+
+
+NATIVE = [False, pytest.param(True, marks=native_kernels)]
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_quantized_logits_stay_close_to_bf16_in_decode_and_long_prefill(native):
     model = tiny_model(seed=4)
     ids = torch.randint(0, 48, (1, 70))  # 70 tokens: a prefill of PREFILL_MIN_TOKENS or more
     ref = model(ids, torch.arange(70)[None], model.new_cache(128), prefill=True)
-    quantize_(model, "int8")
+    quantize_(model, "int8", native=native)
     for prefill in (False, True):
         out = model(ids, torch.arange(70)[None], model.new_cache(128), prefill=prefill)
         assert out.shape == ref.shape and out.dtype == torch.float32
         assert (out - ref).norm() < 0.15 * ref.norm()  # random weights amplify the error
 
 
+@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_only_a_marked_long_prefill_multiplies_by_the_dense_copy(scheme, monkeypatch):
+def test_only_a_marked_long_prefill_multiplies_by_the_dense_copy(scheme, native, monkeypatch):
     """The dense bf16 copy serves a prompt's prefill of PREFILL_MIN_TOKENS or more; decode and
     verify passes, however wide, keep the packed kernels (their rows are batch invariant)."""
-    model = quantize_(tiny_model(seed=7), scheme, dense_prefill=True)
+    model = quantize_(tiny_model(seed=7), scheme, dense_prefill=True, native=native)
     layer_type = type(model.layers[0].qkv)
     calls = []
     real = layer_type.dense_forward
     monkeypatch.setattr(layer_type, "dense_forward", lambda self, x: calls.append(x.shape[1]) or real(self, x))
-    ids = torch.randint(0, 48, (1, PREFILL_MIN_TOKENS + 6))
+    ids = torch.randint(0, 48, (1, PREFILL_MIN_TOKENS + 6), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(ids.shape[1])[None]
     dense = model(ids, positions, model.new_cache(128), prefill=True)
     assert len(calls) == 4 * len(model.layers) and set(calls) == {ids.shape[1]}  # qkv, o, gate_up, down
@@ -102,29 +139,35 @@ def test_only_a_marked_long_prefill_multiplies_by_the_dense_copy(scheme, monkeyp
     assert calls == []
     # The same quantized model, rounded once more: close, and not computed the same way.
     assert not torch.equal(dense, packed)
-    assert (dense - packed).norm() < 0.05 * packed.norm()
+    # Over 8 random prompts the relative difference was 0.044-0.060 on PyTorch's kernels and
+    # 0.068-0.097 on the native ones (they round activations to int8, not bf16, and the random
+    # weights amplify it). The prompt is fixed: a bound of 0.05 had sat at the median of that
+    # spread, so the test passed or failed with the random state the tests before it left.
+    assert (dense - packed).norm() < (0.12 if native else 0.07) * packed.norm()
 
 
-def test_dense_copies_are_bf16_dequantized_weights_and_optional():
+@pytest.mark.parametrize("native", NATIVE)
+def test_dense_copies_are_bf16_dequantized_weights_and_optional(native):
     base = tiny_model(seed=8)
     for scheme in ("int8", "int4"):
-        kept = quantize_(copy.deepcopy(base), scheme, dense_prefill=True)
+        kept = quantize_(copy.deepcopy(base), scheme, dense_prefill=True, native=native)
         layer = kept.layers[0].gate_up
         assert layer.dense.dtype == torch.bfloat16
         # the dequantized weight, rounded to bf16 (relative error at most 2^-8)
         assert torch.allclose(layer.dense.float(), layer.dequantize(), rtol=2 ** -8, atol=1e-6)
-        lean = quantize_(copy.deepcopy(base), scheme, dense_prefill=False)
+        lean = quantize_(copy.deepcopy(base), scheme, dense_prefill=False, native=native)
         assert all(getattr(m, "dense", None) is None for m in lean.modules())
     assert kept.lm_head.dense is None  # the head only ever sees the last prompt row
 
 
-def test_tied_embeddings_get_a_packed_head_copy():
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=native_kernels)])
+def test_tied_embeddings_get_a_packed_head_copy(native):
     model = tiny_model(seed=5)
     model.lm_head = None  # tie the head to the embedding table
     ids = torch.randint(0, 48, (1, 6))
     ref = model(ids, torch.arange(6)[None], model.new_cache(64))
-    quantize_(model, "int8")
-    assert isinstance(model.lm_head, Int8Linear)
+    quantize_(model, "int8", native=native)
+    assert isinstance(model.lm_head, NativeLinear if native else Int8Linear)
     out = model(ids, torch.arange(6)[None], model.new_cache(64))
     assert (out - ref).norm() < 0.15 * ref.norm()  # random weights amplify the error
 

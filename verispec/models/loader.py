@@ -209,6 +209,11 @@ def load_model(
             if isinstance(dtype, str) and dtype.strip().lower() == "auto":
                 float_activations_(loaded.model)
     quantize_(loaded.model, quantization, group_size)
+    if quantization in ("int8", "int4") and isinstance(dtype, str) and dtype.strip().lower() == "auto":
+        from verispec.models.native import float_activations_, is_native
+
+        if is_native(loaded.model):  # as for a GGUF model on the kernels
+            float_activations_(loaded.model)
     return loaded
 
 

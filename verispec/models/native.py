@@ -39,7 +39,13 @@ from torch import Tensor, nn
 from verispec import kernels
 from verispec.kernels import KernelError, PackedWeight
 
-__all__ = ["NativeLinear", "use_gguf_weights_", "is_native", "float_activations_", "RepackCache"]
+__all__ = ["NativeLinear", "use_gguf_weights_", "is_native", "float_activations_", "RepackCache",
+           "NATIVE_FORMATS", "native_unfit", "quantize_native_"]
+
+# --quantization int8 / int4 of a dense checkpoint on the kernels: GGUF's Q8_0 (one fp16 scale
+# per 32 weights) and Q4_1 (a scale and a minimum per 32), quantized by gguf's own reference code.
+NATIVE_FORMATS = {"int8": "Q8_0", "int4": "Q4_1"}
+NATIVE_INT4_GROUP = 32
 
 _ALIGN = 64  # bytes: each cached part starts on a cache line
 
@@ -262,3 +268,52 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
             stacklevel=2,
         )
     return dense
+
+
+def _projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    return [(layer, attr) for layer in model.layers for attr in ("qkv", "o_proj", "gate_up", "down")]
+
+
+def native_unfit(model: nn.Module, scheme: str, group_size: int) -> str | None:
+    """Why the kernels cannot run ``scheme`` on every linear layer of ``model``, or None."""
+    from verispec.models.quant import _as_linear
+
+    if scheme not in NATIVE_FORMATS:
+        return f"the native kernels run {', '.join(NATIVE_FORMATS)}, not {scheme!r}"
+    if scheme == "int4" and group_size != NATIVE_INT4_GROUP:
+        return f"int4 runs on the native kernels with groups of {NATIVE_INT4_GROUP} (Q4_1), not {group_size}"
+    if not kernels.available():
+        return "the native CPU kernels are not available on this machine (see the warning above)"
+    head = model.lm_head if model.lm_head is not None else _as_linear(model.embed.weight)
+    for lin in [getattr(layer, attr) for layer, attr in _projections(model)] + [head]:
+        if not isinstance(lin, nn.Linear):
+            return f"a layer is already {type(lin).__name__}"
+        fmt = kernels.FORMATS["Q8_0" if lin is head else NATIVE_FORMATS[scheme]]
+        try:
+            kernels.check_format(fmt, lin.out_features, lin.in_features)
+        except KernelError as exc:
+            return str(exc)
+    return None
+
+
+def quantize_native_(model: nn.Module, scheme: str, keep_dense: bool) -> None:
+    """Quantize ``model``'s projections to ``NATIVE_FORMATS[scheme]`` and its LM head to Q8_0 with
+    gguf's reference quantizers, and run them on the kernels (call :func:`native_unfit` first).
+    ``keep_dense``: keep a bf16 copy of each projection's dequantized weight for prompt prefill."""
+    from gguf import GGMLQuantizationType, quants
+
+    from verispec.models.quant import _as_linear
+
+    def make(lin: nn.Linear, fmt_name: str, head: bool = False) -> NativeLinear:
+        fmt = kernels.FORMATS[fmt_name]
+        n, k = lin.out_features, lin.in_features
+        raw = quants.quantize(lin.weight.detach().float().numpy(), GGMLQuantizationType(fmt))
+        part = kernels.repack(fmt, raw, n, k)
+        dense = kernels.dequantize(part).to(torch.bfloat16) if keep_dense and not head else None
+        bias = None if lin.bias is None else lin.bias.detach().float()
+        return NativeLinear([part], bias, dense, float_output=head)
+
+    for layer, attr in _projections(model):
+        setattr(layer, attr, make(getattr(layer, attr), NATIVE_FORMATS[scheme]))
+    head = model.lm_head if model.lm_head is not None else _as_linear(model.embed.weight)
+    model.lm_head = make(head, "Q8_0", head=True)

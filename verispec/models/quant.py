@@ -1,9 +1,16 @@
-"""Weight-only int8/int4 for dense checkpoints, kept packed and run by PyTorch's CPU kernels.
+"""Weight-only int8/int4 for dense checkpoints.
 
 A GGUF model needs none of this: on the CPU it runs its own quantized weights on the native
 kernels (:mod:`verispec.models.native`). :func:`quantize_` serves Hugging Face checkpoints (and
-``--quantization int8|int4`` on a GGUF's dequantized weights), swapping the decoder's
-``nn.Linear`` layers for modules that keep their weights packed:
+``--quantization int8|int4`` on a GGUF's dequantized weights).
+
+**On the native kernels** (the default where they are available and every layer fits them):
+``int8`` becomes GGUF's Q8_0 and ``int4`` (groups of 32) its Q4_1, quantized by gguf's reference
+code, and the layers run exactly as a GGUF model's do (row-invariant, several times faster than
+the PyTorch kernels below; :func:`verispec.models.native.quantize_native_`).
+
+**On PyTorch's kernels** (``native=False``, int4 groups of 64 or 128, or no native kernels), the
+decoder's ``nn.Linear`` layers become modules that keep their weights packed:
 
 * ``int8`` -- symmetric, one scale per output channel: ``w ~= q * scale``, ``q`` in [-127, 127];
   ``aten._weight_int8pack_mm``.
@@ -157,13 +164,15 @@ def check_scheme(scheme: str, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> str:
 
 
 def quantize_(model: nn.Module, scheme: str, group_size: int = DEFAULT_INT4_GROUP_SIZE,
-              dense_prefill: bool | None = None) -> nn.Module:
+              dense_prefill: bool | None = None, native: bool | None = None) -> nn.Module:
     """Replace ``model``'s linear layers in place (policy in the module docstring); returns it.
 
     ``model`` is a :class:`~verispec.models.decoder.Decoder`. ``scheme`` is ``"none"`` (a no-op),
     ``"int8"`` or ``"int4"``. Every shape is checked before any layer is replaced, so a failure
     leaves the model as it was. ``dense_prefill``: keep dense bf16 copies of the decoder layers'
     weights for prompt prefill; by default where the CPU has native bf16 arithmetic.
+    ``native``: run on the native kernels (True: or fail saying why), on PyTorch's (False), or
+    on the native ones where they can (None).
     """
     check_scheme(scheme, group_size)
     if scheme not in ("int8", "int4"):  # auto and gguf are the loader's (verispec.models.native)
@@ -185,6 +194,15 @@ def quantize_(model: nn.Module, scheme: str, group_size: int = DEFAULT_INT4_GROU
             f"--quantization {scheme} packs dense weights, and this model's layers are already quantized "
             f"({type(packed[0]).__name__}); load it with quantization='none' first"
         )
+    if native is not False:
+        from verispec.models.native import native_unfit, quantize_native_
+
+        why = native_unfit(model, scheme, group_size)
+        if why is None:
+            quantize_native_(model, scheme, keep)
+            return model
+        if native:
+            raise QuantizationError(f"--quantization {scheme} cannot run on the native kernels: {why}")
     make = (lambda lin: Int8Linear(lin, keep)) if scheme == "int8" else (lambda lin: Int4Linear(lin, group_size, keep))
     if scheme == "int4":
         for layer in model.layers:
@@ -207,4 +225,7 @@ def _as_linear(weight: Tensor) -> nn.Linear:
 
 
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
+    """Whether any layer runs packed weights (PyTorch's kernels or the native ones)."""
+    from verispec.models.native import NativeLinear
+
+    return any(isinstance(m, (Int8Linear, Int4Linear, NativeLinear)) for m in model.modules())
