@@ -36,12 +36,12 @@ import torch
 from torch import Tensor
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ref.cpp", "avx2.cpp", "avx512.cpp", "amx.cpp", "attention.cpp", "ops.cpp")
+SOURCES = ("ref.cpp", "avx2.cpp", "avx512.cpp", "amx.cpp", "attention.cpp", "pool.cpp", "ops.cpp")
 # -fopenmp: at::parallel_for is a header template that is serial unless compiled with OpenMP; it
 # then runs on torch's own OpenMP threads. -ffp-contract=off: the scalar reference's multiplies
 # and adds stay as written, so the SIMD paths can match it bit for bit.
 CFLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp")
-HEADERS = ("qgemm.h", "scales512.h")
+HEADERS = ("qgemm.h", "scales512.h", "pool.h")
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}
 # ggml type ids of the formats the kernels run (GGMLQuantizationType values)
 FORMATS = {"Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}

@@ -25,6 +25,7 @@
 #include <cstring>
 #include <vector>
 
+#include "pool.h"
 #include "qgemm.h"
 
 namespace verispec {
@@ -66,9 +67,15 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   float* po = out.data_ptr<float>();
   const int64_t group = h / hkv;
   const float sc = (float)scale;
-  at::parallel_for(0, b * h * t, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<int64_t> idx((size_t)s);
-    std::vector<float> p((size_t)s), acc((size_t)d);
+  const int64_t rows = b * h * t, nchunks = std::min<int64_t>(rows, 4 * (int64_t)at::get_num_threads());
+  run_chunks(nchunks, [&](int64_t chunk) {
+    int64_t u0, u1;
+    chunk_range(rows, nchunks, chunk, &u0, &u1);
+    thread_local std::vector<int64_t> idx;
+    thread_local std::vector<float> p, acc;
+    idx.resize((size_t)s);
+    p.resize((size_t)s);
+    acc.resize((size_t)d);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t bi = u / (h * t), hi = u / t % h, ti = u % t, kv = hi / group;
       const float* qr = pq + u * d;

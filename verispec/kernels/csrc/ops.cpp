@@ -1,8 +1,9 @@
 // The torch-facing side: shape checks, ISA dispatch, threads, repacking.
 //
-// Threads split the output columns in whole tiles (at::parallel_for over tiles, so each thread
-// reads its own contiguous part of the packed weight); every output is computed by one thread
-// over the whole of K, in superblock order, so the thread count cannot change a result.
+// Threads split the output columns in whole tiles (chunks of contiguous tiles, run by the
+// kernels' own pool, pool.h; each chunk reads its own contiguous part of the packed weight);
+// every output is computed by one thread over the whole of K, in superblock order, so the thread
+// count cannot change a result.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <vector>
 
+#include "pool.h"
 #include "qgemm.h"
 
 namespace verispec {
@@ -171,18 +173,17 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
   const float* inv = nullptr;
   if (norm_w) {
     buf.inv.resize((size_t)m);
-    at::parallel_for(0, m, 4, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) buf.inv[i] = row_rms_inv(xf + i * kin, k, eps);
-    });
+    run_chunks(m, [&](int64_t i) { buf.inv[i] = row_rms_inv(xf + i * kin, k, eps); }, m >= 4 ? 0 : 1);
     inv = buf.inv.data();
   }
   int8_t* pq = buf.q.data();
   const auto glu_fn = avx2 ? glu_block_avx2 : glu_block;
   const auto quant_fn = avx2 ? quantize_block_avx2 : quantize_block;
   const int64_t chunks = (nb + kQuantChunk - 1) / kQuantChunk;
-  at::parallel_for(0, m * chunks, kQuantGrain, [&](int64_t u0, int64_t u1) {
+  const int64_t units = m * chunks;
+  run_chunks(units, [&](int64_t u) {
     alignas(32) float in[kActBlock];
-    for (int64_t u = u0; u < u1; ++u) {
+    {
       const int64_t i = u / chunks, b0 = u % chunks * kQuantChunk, b1 = std::min(nb, b0 + kQuantChunk);
       const float* xr = xf + i * kin;
       for (int64_t b = b0; b < b1; ++b) {
@@ -201,7 +202,7 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
         buf.bs[(2 * b + 1) * mp + i] = bs[1];
       }
     }
-  });
+  }, units >= kQuantGrain ? 0 : 1);
   if (mp > m)  // AMX's A tiles read the padding rows (their results are never used)
     for (int64_t b = 0; b < nb; ++b) std::memset(pq + (b * mp + m) * kActBlock, 0, (size_t)((mp - m) * kActBlock));
   return QActs{pq, buf.dx.data(), buf.bs.data(), buf.dxb.data(), m, k, mp};
@@ -260,8 +261,14 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
   auto out = torch::empty({m, cols}, out_type);
   at::BFloat16* y16 = out_bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   float* y32 = out_bf16 ? nullptr : out.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> acc((size_t)m * kTile);
+  // A few chunks per thread: contiguous enough to stream, small enough that a thread that
+  // starts late (another process holding its core) leaves its share to the others.
+  const int64_t nchunks = std::min<int64_t>(tiles, 4 * (int64_t)at::get_num_threads());
+  run_chunks(nchunks, [&](int64_t chunk) {
+    int64_t t0, t1;
+    chunk_range(tiles, nchunks, chunk, &t0, &t1);
+    thread_local std::vector<float> acc;
+    acc.resize((size_t)m * kTile);
     size_t p = 0;
     int amx_sub = 0;  // the sub size the thread's tiles are configured for
     for (int64_t t = t0; t < t1; ++t) {
