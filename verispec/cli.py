@@ -54,8 +54,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="torch CPU threads (default: the physical cores this process may use)")
     g.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
                    help="the target's linear layers: gguf runs a GGUF file's own quantized weights on "
-                   "the native CPU kernels, none dequantizes them, int8/int4 pack dense weights with "
-                   "PyTorch's kernels (CPU); auto (default) is gguf for a GGUF file on the CPU, else "
+                   "the native CPU kernels, none dequantizes them, int8/int4 quantize dense weights to "
+                   "GGUF's Q8_0/Q4_1 on the same kernels (int4 groups of 64 or 128, or no compiler: "
+                   "PyTorch's packed kernels); auto (default) is gguf for a GGUF file on the CPU, else "
                    "none. The draft's is set by the speculative config's 'quantization'")
     g.add_argument("--quantization-group-size", type=int, default=32, choices=(32, 64, 128),
                    help="int4 group size (default 32)")

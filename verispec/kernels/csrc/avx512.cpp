@@ -21,10 +21,9 @@ static inline __m512i bcast4(const int8_t* p) {
 // The high bits of group g (HB of them, HB > 0: Q6_K 2, Q5_0 1) moved to bits 4 and up of each
 // byte, from a high-bit block h (see the layout in qgemm.h). The shifts are 16-bit; the mask
 // drops what crosses from the neighbouring byte.
-template <int HB>
-static inline __m512i high_bits(__m512i h, int g) {
-  constexpr int per = 8 / HB;
-  const int sh = 4 - HB * (g % per);
+template <int HB, int GI>  // GI: the group's place in its high block, g % (8 / HB)
+static inline __m512i high_bits(__m512i h) {
+  constexpr int sh = 4 - HB * GI;
   const __m512i v = sh > 0 ? _mm512_slli_epi16(h, sh) : sh < 0 ? _mm512_srli_epi16(h, -sh) : h;
   return _mm512_and_si512(v, _mm512_set1_epi8((char)(((1 << HB) - 1) << 4)));
 }
@@ -32,7 +31,7 @@ static inline __m512i high_bits(__m512i h, int g) {
 // Groups g and g + 1 of a tile superblock as dpbusd's unsigned operand: both nibbles of one
 // 64-byte load (4-bit formats; with HB, joined with their high bits), or two loads; for Q8_0 the
 // magnitudes, with the signs in neg. G: the superblock's groups.
-template <bool NIB, int HB, bool SIGNED, int G>
+template <bool NIB, int HB, bool SIGNED, int G, int GI>  // GI: g % (8 / HB), a constant
 static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* w1, __mmask64* n0, __mmask64* n1) {
   if constexpr (NIB || HB) {
     const __m512i low = _mm512_set1_epi8(0x0f);
@@ -41,8 +40,8 @@ static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* 
     *w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     if constexpr (HB > 0) {
       const __m512i h = _mm512_loadu_si512(tile + G / 2 * 64 + g / (8 / HB) * 64);
-      *w0 = _mm512_or_si512(*w0, high_bits<HB>(h, g));
-      *w1 = _mm512_or_si512(*w1, high_bits<HB>(h, g + 1));
+      *w0 = _mm512_or_si512(*w0, high_bits<HB, GI>(h));
+      *w1 = _mm512_or_si512(*w1, high_bits<HB, GI + 1>(h));
     }
   } else {
     const __m512i v0 = _mm512_loadu_si512(tile + 64 * g), v1 = _mm512_loadu_si512(tile + 64 * g + 64);
@@ -84,7 +83,15 @@ static void rows_block(const uint8_t* tile, const Unpacked& u, const QActs& a, i
       const int g = j * GPS + gg;
       __m512i w0, w1;
       __mmask64 n0 = 0, n1 = 0;
-      group_pair<NIB, HB, SIGNED, KB / 4>(tile, g, &w0, &w1, &n0, &n1);
+      // the group's place in its high block is gg % per (GPS is a multiple of per), a constant
+      // once the loop is unrolled; spelled as a switch so that the shifts are immediates
+      constexpr int per = HB ? 8 / HB : 8;
+      switch (gg % per) {
+        case 0: group_pair<NIB, HB, SIGNED, KB / 4, 0>(tile, g, &w0, &w1, &n0, &n1); break;
+        case 2: group_pair<NIB, HB, SIGNED, KB / 4, 2>(tile, g, &w0, &w1, &n0, &n1); break;
+        case 4: group_pair<NIB, HB, SIGNED, KB / 4, 4>(tile, g, &w0, &w1, &n0, &n1); break;
+        default: group_pair<NIB, HB, SIGNED, KB / 4, 6>(tile, g, &w0, &w1, &n0, &n1); break;
+      }
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
         __m512i x0 = bcast4(xj + kActBlock * r + 4 * gg), x1 = bcast4(xj + kActBlock * r + 4 * gg + 4);
