@@ -72,7 +72,8 @@ def test_repacked_weight_equals_gguf_dequantization(fmt):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @needs_kernels
 def test_rows_are_bit_identical_for_every_row_count_thread_count_and_isa(fmt):
-    n, k = 64, 512
+    # 32-wide formats run 8 superblocks per kernel call: 19 of them leave a group of 3
+    n, k = 64, (512 if fmt in ("Q4_K", "Q6_K") else 19 * 32)
     w = kernels.repack(FORMATS[fmt], random_blocks(fmt, n, k, seed=1), n, k)
     x = torch.randn(33, k, generator=torch.Generator().manual_seed(2)) * 3
     # the definition: each row alone, through the scalar reference, on one thread

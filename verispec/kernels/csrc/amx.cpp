@@ -146,7 +146,11 @@ void amx_configure(int sub, int rows) {
 
 void amx_release() { _tile_release(); }
 
-void superblock_amx(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc) {
+void superblock_amx(int fmt, const FormatInfo& f, const uint8_t* tile0, const QActs& a, int64_t s0, int count,
+                    float* acc) {
+  for (int c = 0; c < count; ++c) {
+  const uint8_t* tile = tile0 + (int64_t)c * f.tile_bytes();
+  const int64_t s = s0 + c;
   Unpacked u;
   const uint8_t* w = u.w;
   if (f.nibbles) unpack_nibbles(f, tile, u.w);
@@ -160,6 +164,7 @@ void superblock_amx(int fmt, const FormatInfo& f, const uint8_t* tile, const QAc
     case Q5_0: run<32, 32, true, false>(w, u, a, s, acc); break;
     case Q4_1: run<32, 32, false, true>(w, u, a, s, acc); break;
     case Q8_0: run<32, 32, true, false>(w, u, a, s, acc); break;
+  }
   }
 }
 

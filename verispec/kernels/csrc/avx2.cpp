@@ -147,7 +147,11 @@ static void rows(const Unpacked& u, const QActs& a, int64_t s, float* acc) {
   if (m < a.m) rows_block<KB, SUB, SIGNED, OFF, FPOFF, 1>(u, a, s, acc, m);
 }
 
-void superblock_avx2(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc) {
+void superblock_avx2(int fmt, const FormatInfo& f, const uint8_t* tile0, const QActs& a, int64_t s0, int count,
+                     float* acc) {
+  for (int c = 0; c < count; ++c) {
+  const uint8_t* tile = tile0 + (int64_t)c * f.tile_bytes();
+  const int64_t s = s0 + c;
   Unpacked u;
   unpack_weights(f, tile, &u);
   unpack_scales(fmt, f, tile, &u);
@@ -157,6 +161,7 @@ void superblock_avx2(int fmt, const FormatInfo& f, const uint8_t* tile, const QA
     case Q5_0: rows<32, 32, false, 16, false>(u, a, s, acc); break;
     case Q4_1: rows<32, 32, false, 0, true>(u, a, s, acc); break;
     case Q8_0: rows<32, 32, true, 0, false>(u, a, s, acc); break;
+  }
   }
 }
 

@@ -61,12 +61,20 @@ static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* 
 // loaded (and its nibbles split) once for the R rows, and the R independent dpbusd chains hide
 // the instruction's latency.
 template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, int R>
-static void rows_block(const uint8_t* tile, const Unpacked& u, const QActs& a, int64_t s, float* acc, int64_t m0) {
+static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int count, const QActs& a, int64_t s0,
+                       float* acc, int64_t m0) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4;
-  const int64_t b0 = s * (KB / kActBlock);
   __m512 y[R];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) y[r] = _mm512_loadu_ps(acc + (m0 + r) * kTile);
+  // count consecutive superblocks with the accumulators kept in registers (the 32-wide formats
+  // come several at a time)
+  for (int c = 0; c < count; ++c) {
+  const uint8_t* tile = tile0 + (int64_t)c * f.tile_bytes();
+  const int64_t s = s0 + c;
+  const int64_t b0 = s * (KB / kActBlock);
+  Unpacked u;  // the scales only: the weights are read from the tile
+  unpack_scales(fmt, f, tile, &u);
   // With few rows, each row's sum runs in P partial chains (groups g % P), added at the end:
   // integer sums, so the split cannot change a result, and the chains overlap their latency.
   constexpr int P = R == 1 ? 4 : R < 4 ? 2 : 1;
@@ -118,35 +126,35 @@ static void rows_block(const uint8_t* tile, const Unpacked& u, const QActs& a, i
       if (FPOFF) y[r] = _mm512_fnmadd_ps(_mm512_load_ps(u.ml[j]), _mm512_set1_ps(a.dxb[blk * a.mp + m0 + r]), y[r]);
     }
   }
+  }
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (m0 + r) * kTile, y[r]);
 }
 
 template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF>
-static void rows(const uint8_t* tile, const Unpacked& u, const QActs& a, int64_t s, float* acc) {
+static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, const QActs& a, int64_t s, float* acc) {
   // Blocks of 8 rows, and the rest in one block: up to 12 rows fit the 32 zmm registers (12
   // accumulators, 12 sums, the weights), so a 9-row verify pass is one block, not 8 + 1 (a lone
   // row runs at its latency-bound cost, about 2.4 rows' worth in a block).
   int64_t m = 0;
-  for (; a.m - m > 12; m += 8) rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 8>(tile, u, a, s, acc, m);
+  for (; a.m - m > 12; m += 8) rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 8>(fmt, f, tile, count, a, s, acc, m);
   switch (a.m - m) {
 #define VERISPEC_ROWS(R) \
-    case R: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, R>(tile, u, a, s, acc, m); break;
+    case R: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, R>(fmt, f, tile, count, a, s, acc, m); break;
     VERISPEC_ROWS(1) VERISPEC_ROWS(2) VERISPEC_ROWS(3) VERISPEC_ROWS(4) VERISPEC_ROWS(5) VERISPEC_ROWS(6)
     VERISPEC_ROWS(7) VERISPEC_ROWS(8) VERISPEC_ROWS(9) VERISPEC_ROWS(10) VERISPEC_ROWS(11) VERISPEC_ROWS(12)
 #undef VERISPEC_ROWS
   }
 }
 
-void superblock_avx512(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc) {
-  Unpacked u;  // the scales only: the weights are read from the tile
-  unpack_scales(fmt, f, tile, &u);
+void superblock_avx512(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, int count,
+                       float* acc) {
   switch (fmt) {
-    case Q4_K: rows<256, 32, true, 0, false, 0, true>(tile, u, a, s, acc); break;
-    case Q6_K: rows<256, 16, false, 2, false, 32, false>(tile, u, a, s, acc); break;
-    case Q5_0: rows<32, 32, false, 1, false, 16, false>(tile, u, a, s, acc); break;
-    case Q4_1: rows<32, 32, true, 0, false, 0, true>(tile, u, a, s, acc); break;
-    case Q8_0: rows<32, 32, false, 0, true, 0, false>(tile, u, a, s, acc); break;
+    case Q4_K: rows<256, 32, true, 0, false, 0, true>(fmt, f, tile, count, a, s, acc); break;
+    case Q6_K: rows<256, 16, false, 2, false, 32, false>(fmt, f, tile, count, a, s, acc); break;
+    case Q5_0: rows<32, 32, false, 1, false, 16, false>(fmt, f, tile, count, a, s, acc); break;
+    case Q4_1: rows<32, 32, true, 0, false, 0, true>(fmt, f, tile, count, a, s, acc); break;
+    case Q8_0: rows<32, 32, false, 0, true, 0, false>(fmt, f, tile, count, a, s, acc); break;
   }
 }
 

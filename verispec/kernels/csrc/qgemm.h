@@ -130,16 +130,18 @@ static inline void prefetch_step() {
 // fp16 bits -> float (exact).
 float fp16_to_float(uint16_t h);
 
-// One tile superblock s (16 columns x KB of k) against all M rows: acc [M][16] is updated as
-// the contract says. The scalar one is the definition; the ISA paths give the same bits.
+// Tile superblocks s .. s + count - 1 (16 columns x KB of k each, consecutive in memory from
+// tile) against all M rows: acc [M][16] is updated as the contract says, superblock by
+// superblock. (count > 1 lets the 32-wide formats keep the accumulators in registers across
+// superblocks.) The scalar one is the definition; the ISA paths give the same bits.
 using SuperblockFn = void (*)(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a,
-                              int64_t s, float* acc);
-void superblock_scalar(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc);
-void superblock_avx2(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc);
-void superblock_avx512(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc);
+                              int64_t s, int count, float* acc);
+void superblock_scalar(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, int count, float* acc);
+void superblock_avx2(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, int count, float* acc);
+void superblock_avx512(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, int count, float* acc);
 // AMX: the calling thread must have run amx_configure with the format's sub size (and runs
 // amx_release when done).
-void superblock_amx(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, float* acc);
+void superblock_amx(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, int count, float* acc);
 void amx_configure(int sub, int rows);  // rows: of the A and C tiles, 1..16
 void amx_release();
 

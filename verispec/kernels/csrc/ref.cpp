@@ -172,8 +172,8 @@ static inline int32_t weight_at(const FormatInfo& f, const uint8_t* tile, int k,
   return f.signed_w ? (int32_t)(int8_t)b : (int32_t)b;
 }
 
-void superblock_scalar(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s,
-                       float* acc) {
+static void one_superblock_scalar(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s,
+                                  float* acc) {
   const int off = int_offset(fmt);
   const bool fp_off = has_fp_offset(fmt);
   for (int64_t m = 0; m < a.m; ++m) {
@@ -192,6 +192,11 @@ void superblock_scalar(int fmt, const FormatInfo& f, const uint8_t* tile, const 
       }
     }
   }
+}
+
+void superblock_scalar(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, int count,
+                       float* acc) {
+  for (int c = 0; c < count; ++c) one_superblock_scalar(fmt, f, tile + (int64_t)c * f.tile_bytes(), a, s + c, acc);
 }
 
 void dequantize_tile(const FormatInfo& f, int fmt, const uint8_t* tile, float* out, int64_t ldo) {
