@@ -184,24 +184,22 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
   const int64_t units = m * chunks;
   run_chunks(units, [&](int64_t u) {
     alignas(32) float in[kActBlock];
-    {
-      const int64_t i = u / chunks, b0 = u % chunks * kQuantChunk, b1 = std::min(nb, b0 + kQuantChunk);
-      const float* xr = xf + i * kin;
-      for (int64_t b = b0; b < b1; ++b) {
-        const float* xb = xr + b * kActBlock;
-        if (glu) {
-          glu_fn(xb, xb + k, in);
-          xb = in;
-        } else if (inv) {
-          const float* w = norm_w + b * kActBlock;
-          for (int j = 0; j < kActBlock; ++j) in[j] = xb[j] * inv[i] * w[j];
-          xb = in;
-        }
-        int16_t bs[2];
-        quant_fn(xb, pq + (b * mp + i) * kActBlock, &buf.dx[b * mp + i], bs, &buf.dxb[b * mp + i]);
-        buf.bs[2 * b * mp + i] = bs[0];
-        buf.bs[(2 * b + 1) * mp + i] = bs[1];
+    const int64_t i = u / chunks, b0 = u % chunks * kQuantChunk, b1 = std::min(nb, b0 + kQuantChunk);
+    const float* xr = xf + i * kin;
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* xb = xr + b * kActBlock;
+      if (glu) {
+        glu_fn(xb, xb + k, in);
+        xb = in;
+      } else if (inv) {
+        const float* w = norm_w + b * kActBlock;
+        for (int j = 0; j < kActBlock; ++j) in[j] = xb[j] * inv[i] * w[j];
+        xb = in;
       }
+      int16_t bs[2];
+      quant_fn(xb, pq + (b * mp + i) * kActBlock, &buf.dx[b * mp + i], bs, &buf.dxb[b * mp + i]);
+      buf.bs[2 * b * mp + i] = bs[0];
+      buf.bs[(2 * b + 1) * mp + i] = bs[1];
     }
   }, units >= kQuantGrain ? 0 : 1);
   if (mp > m)  // AMX's A tiles read the padding rows (their results are never used)
