@@ -135,6 +135,11 @@ class NativeLinear(nn.Module):
             self.register_buffer(f"packed{i}", p.data, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("dense", dense, persistent=False)
+        # the arguments of the kernels' call, made once: a decode step makes a hundred calls, and
+        # kernels.matmul's checks, which these layers pass by construction, cost about 5 us each
+        # (the packed buffers are uint8, which no dtype cast touches, and the layer is CPU-only)
+        self._call = (kernels.native().linear, [p.fmt for p in parts], [p.data for p in parts],
+                      [p.n for p in parts])
 
     def forward(self, x: Tensor, *, glu: bool = False, norm: nn.Module | None = None,
                 residual: Tensor | None = None) -> Tensor:
@@ -143,10 +148,19 @@ class NativeLinear(nn.Module):
         layer's input and add the residual themselves (see :func:`verispec.kernels.matmul`)."""
         out_dtype = torch.float32 if self.float_output or x.dtype != torch.bfloat16 else torch.bfloat16
         rows = x.reshape(-1, x.shape[-1])
-        res = None if residual is None else residual.reshape(-1, self.out_features).to(out_dtype)
-        y = kernels.matmul(rows, self.parts, bias=self.bias, out_dtype=out_dtype, glu=glu,
-                           norm=None if norm is None else (norm.weight, norm.eps), residual=res)
-        return (y if self.float_output else y.to(x.dtype)).view(*x.shape[:-1], self.out_features)
+        res = None if residual is None else residual.reshape(-1, self.out_features)
+        if res is not None and res.dtype != out_dtype:
+            res = res.to(out_dtype)
+        if x.dtype == torch.float32 and (norm is None or norm.weight.dtype == torch.float32):
+            linear, fmts, data, ns = self._call  # the float32 model's path, as kernels.matmul calls it
+            y = linear(rows, fmts, data, ns, self.bias, False, -1, glu,
+                       None if norm is None else norm.weight, 0.0 if norm is None else float(norm.eps), res)
+        else:
+            y = kernels.matmul(rows, self.parts, bias=self.bias, out_dtype=out_dtype, glu=glu,
+                               norm=None if norm is None else (norm.weight, norm.eps), residual=res)
+        if not self.float_output and y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def dense_forward(self, x: Tensor) -> Tensor:
         """A prefill pass through the dense bf16 copy (see the module docstring)."""
