@@ -96,6 +96,7 @@ class RepackCache:
 
     def save(self) -> None:
         """Write every entry; on failure (a full disk, no permission) warn and carry on."""
+        tmp = None
         try:
             self.dir.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=self.dir.parent, prefix=".tmp-"))
@@ -107,7 +108,7 @@ class RepackCache:
                         pad = -off % _ALIGN
                         f.write(b"\0" * pad)
                         off += pad
-                        f.write(p.data.numpy().tobytes())
+                        f.write(memoryview(p.data.numpy()))  # no copy of the part
                         index[layer].append([p.fmt, p.n, p.k, off, p.nbytes])
                         off += p.nbytes
             (tmp / "index.json").write_text(json.dumps(index))
@@ -116,6 +117,8 @@ class RepackCache:
             except OSError:  # another process wrote it first: keep theirs
                 shutil.rmtree(tmp, ignore_errors=True)
         except OSError as exc:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
             warnings.warn(f"could not cache the repacked weights in {self.dir} ({exc}); "
                           "the next load repacks them again", stacklevel=3)
 
