@@ -72,13 +72,6 @@ void unpack_high(const FormatInfo& f, const uint8_t* tile, int off, uint8_t* w) 
   }
 }
 
-// Weights minus the integer offset, as int8 (the values fit: 0..63 - 32, 0..31 - 16).
-void unpack_offset(const FormatInfo& f, const uint8_t* tile, int off, uint8_t* w) {
-  const __m512i o = _mm512_set1_epi8((char)off);
-  for (int g = 0; g < f.groups(); ++g)
-    _mm512_store_si512(w + 64 * g, _mm512_sub_epi8(_mm512_loadu_si512(tile + 64 * g), o));
-}
-
 // The integer sums of sub J for 16 rows (activations xa, row stride 32 bytes) into c[16][16]:
 // C tile J % 4, A and B tiles 4 + J % 2 and 6 + J % 2, so consecutive subs share no tile and the
 // loads of one overlap the dot product of the previous.
@@ -155,7 +148,6 @@ void superblock_amx(int fmt, const FormatInfo& f, const uint8_t* tile0, const QA
   const uint8_t* w = u.w;
   if (f.nibbles) unpack_nibbles(f, tile, u.w);
   else if (f.hbits) unpack_high(f, tile, int_offset(fmt), u.w);
-  else if (int_offset(fmt)) unpack_offset(f, tile, int_offset(fmt), u.w);
   else w = tile;  // Q8_0
   unpack_scales(fmt, f, tile, &u);
   switch (fmt) {

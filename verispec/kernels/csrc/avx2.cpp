@@ -34,14 +34,12 @@ static void unpack_weights(const FormatInfo& f, const uint8_t* tile, Unpacked* u
         const __m256i nib = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(v, 4) : v, low);
         _mm256_store_si256((__m256i*)(u->w + 64 * g + 32 * half), _mm256_or_si256(nib, _mm256_and_si256(hs, hmask)));
       }
-  } else if (f.signed_w) {
+  } else {  // Q8_0, the one 8-bit format: signed
     for (int h = 0; h < 2 * G; ++h) {
       const __m256i v = _mm256_loadu_si256((const __m256i*)(tile + 32 * h));
       _mm256_store_si256((__m256i*)(u->ws + 32 * h), v);
       _mm256_store_si256((__m256i*)(u->w + 32 * h), _mm256_abs_epi8(v));
     }
-  } else {
-    std::memcpy(u->w, tile, (size_t)G * 64);
   }
 }
 

@@ -45,15 +45,11 @@ static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* 
     }
   } else {
     const __m512i v0 = _mm512_loadu_si512(tile + 64 * g), v1 = _mm512_loadu_si512(tile + 64 * g + 64);
-    if constexpr (SIGNED) {
-      *n0 = _mm512_movepi8_mask(v0);
-      *n1 = _mm512_movepi8_mask(v1);
-      *w0 = _mm512_abs_epi8(v0);
-      *w1 = _mm512_abs_epi8(v1);
-    } else {
-      *w0 = v0;
-      *w1 = v1;
-    }
+    static_assert(SIGNED, "Q8_0 is the one 8-bit format");
+    *n0 = _mm512_movepi8_mask(v0);
+    *n1 = _mm512_movepi8_mask(v1);
+    *w0 = _mm512_abs_epi8(v0);
+    *w1 = _mm512_abs_epi8(v1);
   }
 }
 
