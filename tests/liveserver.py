@@ -61,14 +61,20 @@ class LiveServer(BackgroundServer):
         return self.app.state.runner
 
 
-def make_server(max_num_seqs: int = 4, max_queue: int = 64, api_key: str | None = API_KEY,
-                shutdown_grace_s: float = 1.0) -> LiveServer:
+def make_app(max_num_seqs: int = 4, max_queue: int = 64, api_key: str | None = API_KEY,
+             shutdown_grace_s: float = 1.0, **app_kwargs):
+    """The app of a server on the tiny models; ``app_kwargs`` go to :func:`build_app`."""
     target, draft = tiny_target_and_draft()
     drafter = DraftModelDrafter(draft, target.model.config.vocab_size, MAX_MODEL_LEN, num_slots=max_num_seqs)
     spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=K)
     engine = Engine(target, spec, max_model_len=MAX_MODEL_LEN, drafter=drafter, max_num_seqs=max_num_seqs)
-    return LiveServer(build_app(engine, "tiny", api_key=api_key, max_queue=max_queue,
-                                shutdown_grace_s=shutdown_grace_s))
+    return build_app(engine, "tiny", api_key=api_key, max_queue=max_queue, shutdown_grace_s=shutdown_grace_s,
+                     **app_kwargs)
+
+
+def make_server(*args, **kwargs) -> LiveServer:
+    """A live server (not yet started: use it as a context manager) for :func:`make_app`'s app."""
+    return LiveServer(make_app(*args, **kwargs))
 
 
 def wait_idle(live: LiveServer, timeout: float = 20.0) -> None:

@@ -14,6 +14,8 @@ from verispec.cli import build_parser, main, speculative_config_from_args
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--top-p", "0"], "top_p must be in"),
         (["--top-p", "1.01"], "top_p must be in"),
+        (["--top-k", str(2**31)], "top_k must be -1, 0 (disabled) or a positive integer up to 2147483647"),
+        (["--seed", str(2**64)], "seed must be in [-9223372036854775808, 9223372036854775807]"),
         (["--speculative-config", '{"method": "ngram", "bogus": 1}'], "unknown speculative config key"),
         (["--speculative-method", "nope"], "unknown speculative method 'nope'"),
     ],

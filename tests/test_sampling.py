@@ -330,3 +330,14 @@ def test_sample_matches_distribution_chi_square(top_k: int) -> None:
     expected = expected / expected.sum() * draws  # exact float64 normalisation for scipy
     result = chisquare(counts[support].numpy(), expected.numpy())
     assert result.pvalue > 1e-3, result
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy_not_nan() -> None:
+    """1e-40 is subnormal in float32: logits / t overflow, and softmax of inf would be NaN."""
+    logits = torch.tensor([[3.0, 5.0, -1.0, float("-inf")], [0.5, 0.25, 0.0, 1.0]])
+    for t in (1e-40, 1e-44):
+        probs = logits_to_probs(logits, t, top_k=2, top_p=0.9)
+        assert torch.equal(probs, logits_to_probs(logits, 0.0))
+        assert torch.equal(logits_to_probs(logits, t), logits_to_probs(logits, 0.0))
+    # a small but safe temperature is left as it is (not one-hot)
+    assert logits_to_probs(logits[1:], 0.5).max() < 1.0

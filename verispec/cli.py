@@ -2,7 +2,7 @@
 
     verispec generate MODEL "prompt" [sampling flags] [speculative flags] [--stats]
     verispec plan --acceptance P --alpha A [--draft-cost C] [--measure MODEL [--draft MODEL]]
-    verispec serve MODEL [speculative flags] [--host H] [--port P] [--api-key KEY] ...
+    verispec serve MODEL [speculative flags] [--host H] [--port P] [--api-key-file PATH] ...
     verispec models list | fetch NAME
     verispec bench --model MODEL --methods plain,ngram,... [--questions spec-bench|code-edit|FILE]
     verispec bench PRESET [options]      (verispec bench --help lists the presets)
@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from collections.abc import Mapping
+from pathlib import Path
 
 from verispec.bench import cli as bench_cli
 from verispec.bench.presets import PRESETS, run_preset
-from verispec.config import SamplingParams, SpeculativeConfig
+from verispec.config import MAX_REQUEST_BYTES, SamplingParams, SpeculativeConfig
 
 DEFAULT_DEMO_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
@@ -252,15 +255,44 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("model", help="bundled model name, HF model directory or .gguf file")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, local only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    key = s.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 routes (visible to other users in "
+                     "the process list: prefer --api-key-file or the VERISPEC_API_KEY variable)")
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="read the API key from this file (surrounding whitespace is dropped)")
+    s.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                   help="largest request body accepted on /v1 routes; larger ones get 413 (default 4 MiB)")
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: MODEL)")
     s.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (default 8)")
     s.add_argument("--max-model-len", type=int, default=4096, help="prompt + output tokens per sequence")
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    s.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds from a request's arrival to its last token; past it the request ends "
+                   "with 504 (0: no limit; default 600)")
+    s.add_argument("--exit-on-fatal", action="store_true",
+                   help="exit with status 1 if the engine thread dies, for a supervisor to restart the "
+                   "process (default: stay up, answer 503 and report it on /health)")
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     s.add_argument("--dtype", default="auto", help="auto, bfloat16, float32 or float16 (default auto)")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     _add_speculative_flags(s)
+
+
+def api_key_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The serve key: ``--api-key``, else ``--api-key-file``'s content, else ``$VERISPEC_API_KEY``
+    (unset or empty: no key)."""
+    if args.api_key is not None:
+        key = args.api_key
+    elif args.api_key_file is not None:
+        key = Path(args.api_key_file).read_text().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+    else:
+        return environ.get("VERISPEC_API_KEY") or None
+    if not key:
+        raise ValueError("--api-key is empty")
+    return key
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -272,14 +304,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     spec = speculative_config_from_args(args)
     if spec is not None:
         check_method(spec.method)
-    for name in ("max_num_seqs", "max_model_len", "max_queue"):
+    for name in ("max_num_seqs", "max_model_len", "max_queue", "max_request_bytes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.request_timeout < 0:
+        raise ValueError("--request-timeout must be >= 0 (0: no limit)")
+    api_key = api_key_from_args(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    serve(args.model, spec, host=args.host, port=args.port, api_key=args.api_key,
+    serve(args.model, spec, host=args.host, port=args.port, api_key=api_key,
+          max_request_bytes=args.max_request_bytes,
           served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
-          max_model_len=args.max_model_len, max_queue=args.max_queue, device=args.device, dtype=args.dtype)
+          max_model_len=args.max_model_len, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
+          request_timeout_s=args.request_timeout or None, exit_on_fatal=args.exit_on_fatal)
     return 0
 
 

@@ -12,6 +12,9 @@ import json
 from dataclasses import dataclass, fields
 
 TREE_CHILD_MODES = ("topk", "iid", "without_replacement")
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64 (torch.Generator.manual_seed takes [-2**63, 2**64))
+TOP_K_MAX = 2**31 - 1  # any top_k >= the vocabulary keeps every token
+MAX_REQUEST_BYTES = 4 * 2**20  # the server's default limit on a request body
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+        if not -1 <= self.top_k <= TOP_K_MAX:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer up to {TOP_K_MAX}, "
+                             f"got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens <= 0:
@@ -47,6 +51,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (int64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -110,6 +110,11 @@ def logits_to_probs(
     if bool((temp < 0).any()):
         raise ValueError("temperature must be >= 0")
     greedy = temp == 0  # [..., 1]
+    # Greedy rows are divided by 1 (their result is replaced by the one-hot below).
+    scaled = x / torch.where(greedy, torch.ones_like(temp), temp)  # [..., vocab]
+    # A temperature so small that a finite logit divided by it overflows is greedy: that is the
+    # limit of the distribution as t -> 0, and softmax of infinities would be NaN.
+    greedy = greedy | (torch.isinf(scaled) & torch.isfinite(x)).any(dim=-1, keepdim=True)
     any_greedy = bool(greedy.any())
     all_greedy = any_greedy and bool(greedy.all())
 
@@ -118,9 +123,6 @@ def logits_to_probs(
         onehot.scatter_(-1, x.argmax(dim=-1, keepdim=True), 1.0)
         if all_greedy:
             return onehot
-
-    # Greedy rows are divided by 1 (their result is replaced by the one-hot below).
-    scaled = x / torch.where(greedy, torch.ones_like(temp), temp)  # [..., vocab]
 
     use_k = _any(top_k, lambda v: v > 0)
     use_p = _any(top_p, lambda v: v < 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 
 import openai
 import pytest
@@ -128,7 +129,19 @@ def test_per_request_speculative_extra(client):
         ({"top_p": 0}, "top_p"),
         ({"extra_body": {"speculative": {"enabled": "maybe"}}}, "speculative.enabled"),
         ({"extra_body": {"bogus_field": 1}}, "bogus_field"),
-        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt": ""}, "prompt: String should have at least 1 character"),
+        ({"prompt": []}, "prompt: List should have at least 1 item"),
+        ({"prompt": [1, -2]}, "prompt.1: Input should be greater than or equal to 0"),
+        ({"prompt": [1, 10**6]}, "prompt token ids must be in [0, "),
+        ({"prompt": [10**6] * MAX_MODEL_LEN}, "maximum context length"),  # counted before the ids are checked
+        ({"seed": 2**64}, "seed: Input should be less than or equal to 9223372036854775807"),
+        ({"seed": -(2**63) - 1}, "seed: Input should be greater than or equal to -9223372036854775808"),
+        ({"extra_body": {"top_k": 2**63}}, "top_k: Input should be less than or equal to 2147483647"),
+        ({"stop": ["a"] * 17}, "stop: List should have at most 16 items"),
+        ({"stop": "a" * 1001}, "stop: String should have at most 1000 characters"),
+        ({"stop": ["ok", ""]}, "stop.1: String should have at least 1 character"),
+        ({"max_tokens": "5"}, "max_tokens: Input should be a valid integer"),
+        ({"stream": 1}, "stream: Input should be a valid boolean"),
     ],
 )
 def test_bad_input_is_a_400_with_an_openai_error_body(client, kwargs, message):
@@ -145,6 +158,82 @@ def test_bad_input_is_a_400_with_an_openai_error_body(client, kwargs, message):
 def test_malformed_bodies_are_400_never_500(server, body):
     status, _, data = raw(server, "POST", "/v1/completions", body)
     assert status == 400 and data["error"]["message"] and data["error"]["type"] == "invalid_request_error", data
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", '{"prompt": "a\\ud800", "max_tokens": 2}'),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["\\udfff"], "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'),
+    ("/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}], "max_tokens": 2}'),
+])
+def test_a_lone_surrogate_is_a_400_not_a_tokenizer_crash(server, path, body):
+    status, headers, data = raw(server, "POST", path, body)
+    assert status == 400 and headers["content-type"] == "application/json", data
+    assert data["error"]["type"] == "invalid_request_error" and "lone surrogate" in data["error"]["message"]
+
+
+def test_wrong_method_is_405_with_allow(server):
+    status, headers, data = raw(server, "DELETE", "/v1/completions")
+    assert status == 405 and headers["allow"] == "POST"
+    assert data["error"]["message"] == "Method Not Allowed"
+
+
+def test_an_unexpected_error_is_a_logged_500_with_an_error_body(server, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the tokenizer broke")
+
+    monkeypatch.setattr(server.runner.engine.target.tokenizer, "encode", broken)
+    with caplog.at_level(logging.ERROR, logger="verispec.server.app"):
+        status, headers, data = raw(server, "POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}))
+    assert status == 500 and headers["content-type"] == "application/json"
+    assert data == {"error": {"message": "internal server error", "type": "server_error", "param": None,
+                              "code": "internal_error"}}  # nothing of the exception leaks
+    logged = [r for r in caplog.records if r.exc_info and isinstance(r.exc_info[1], RuntimeError)]
+    assert len(logged) == 1 and "POST /v1/completions" in logged[0].getMessage()
+    monkeypatch.undo()
+    status, _, data = raw(server, "POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}))
+    assert status == 200 and data["usage"]["completion_tokens"] == 2
+
+
+def test_openapi_document_matches_the_server(server):
+    status, _, doc = raw(server, "GET", "/openapi.json", headers={"Authorization": ""})
+    assert status == 200
+    paths, schemas = doc["paths"], doc["components"]["schemas"]
+    envelope = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, kind in (("/v1/completions", "CompletionResponse"), ("/v1/chat/completions", "ChatCompletionResponse")):
+        op = paths[path]["post"]
+        responses = op["responses"]
+        assert set(responses) == {"200", "400", "401", "404", "413", "429", "500", "503", "504"}
+        for code in set(responses) - {"200"}:
+            assert responses[code]["content"] == {"application/json": {"schema": envelope}}, code
+        assert responses["200"]["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{kind}"}
+        assert "text/event-stream" in responses["200"]["content"]
+        assert op["security"] == [{"bearer": []}]
+    assert set(paths["/v1/models"]["get"]["responses"]) == {"200", "401", "413", "500"}
+    assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert "HTTPValidationError" not in schemas and "ValidationError" not in schemas
+    assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    request = schemas["CompletionRequest"]["properties"]
+    assert {"type": "string", "minLength": 1} in request["prompt"]["anyOf"]
+    assert {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1} in request["prompt"]["anyOf"]
+    assert request["seed"]["anyOf"][0] == {"type": "integer", "format": "int64"}
+    assert request["top_k"]["maximum"] == 2**31 - 1
+    stop_string = {"type": "string", "minLength": 1, "maxLength": 1000}
+    assert request["stop"]["anyOf"][:2] == [stop_string, {"type": "array", "items": stop_string, "maxItems": 16}]
+    assert request["n"]["const"] == 1
+    assert request["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1}
+
+    def keys(node):  # every key of every object in the document
+        if isinstance(node, dict):
+            yield from node
+            for value in node.values():
+                yield from keys(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from keys(value)
+
+    assert not {"ge", "le", "gt", "lt"} & set(keys(doc))  # pydantic's names, which JSON Schema ignores
 
 
 def test_chat_without_messages_is_400(server):

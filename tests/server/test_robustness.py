@@ -52,12 +52,13 @@ def test_full_queue_answers_429_with_retry_after():
 
 
 def test_client_disconnect_cancels_and_frees_the_slot(server):
-    before = server.runner.metrics.aborted._value.get()
+    cancelled = server.runner.metrics.aborted.labels(reason="cancelled")
+    before = cancelled._value.get()
     stream = open_stream(server.port, {"prompt": "leave early", "max_tokens": 80, **GREEDY})
     assert stream.readline().startswith(b"data: ")
     stream.close()
     wait_idle(server)
-    assert server.runner.metrics.aborted._value.get() == before + 1
+    assert cancelled._value.get() == before + 1
 
 
 def test_concurrent_speculative_greedy_equals_each_request_alone_plain(server):
@@ -128,7 +129,8 @@ def test_soak_with_random_cancellations_ends_clean(server):
     assert len(outcomes) == 200 and outcomes.count("cancelled") > 20
     wait_idle(server)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
-    assert client.completions.create(model="tiny", prompt="still alive", max_tokens=3).usage.completion_tokens == 3
+    still = client.completions.create(model="tiny", prompt="still alive", max_tokens=3, **GREEDY)
+    assert still.usage.completion_tokens == 3
 
 
 def test_graceful_shutdown_ends_in_flight_requests_and_refuses_new_ones():

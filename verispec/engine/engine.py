@@ -56,10 +56,22 @@ and the drafter's own calibration when it has one (``calibrate``, see
 the decode step's own is taken as a ratio to a decode step run just before it, since a machine's
 speed drifts within seconds and the controller decides on ratios (v(n), the draft cost c).
 Rounds then refine them as usual. The measurements behind this are in docs/design.md.
+
+Faults. A failure that belongs to one sequence (its drafter's ``propose``, its verification and
+sampling, its commit and stop check, the controller's bookkeeping for it) finishes that
+sequence with ``finish_reason == "error"`` and the message in ``seq.error``; the rest of the
+batch goes on. A failure of the shared verify forward is retried once for the whole batch
+without speculation (a plain step, which gives the same greedy tokens), and if that fails too,
+each sequence runs its plain step alone, so only the sequences whose own pass fails are
+failed. A retry first rolls every slot back to where the failed pass started. Errors never
+leave a slot taken: a failed sequence is released like a finished one, and a drafter's
+``finish`` that raises is logged, not propagated.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +97,8 @@ from verispec.speculative.verify import VerifyResult, verify_greedy, verify_stoc
 if TYPE_CHECKING:
     from verispec.models.loader import LoadedModel
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Verified:
@@ -92,6 +106,7 @@ class Verified:
     cache_start: int  # target cache length before the verify pass (L)
     path: tuple[int, ...] | None = None  # tree proposals: accepted nodes (root = node 0 excluded)
     aux_logits: torch.Tensor | None = None  # [m, V] logits of the proposal's aux branch
+    proposal: Proposal | None = None  # what was verified, when not the drafter's proposal (a retry)
 
 
 class Engine:
@@ -151,6 +166,8 @@ class Engine:
         emit(seq.text)
         while not seq.finished:
             emit(self.step().get(seq, ""))
+        if seq.finish_reason == "error":
+            raise RuntimeError(seq.error)
         return seq
 
     def add_request(
@@ -165,7 +182,7 @@ class Engine:
         if not self.free_slots:
             raise RuntimeError(f"all {self.cache.num_slots} sequence slots are in use")
         seq = self._prefill(prompt_ids, params, self.free_slots[-1], num_speculative_tokens)
-        self.free_slots.pop()
+        self.free_slots.pop()  # the slot is taken only once the prefill has succeeded
         self.running.append(seq)
         if seq.finished:
             self._release(seq)
@@ -181,7 +198,8 @@ class Engine:
         """One round for every running sequence: propose → verify → accept → commit.
 
         Returns the new text of each sequence that took part. Sequences that finish leave the
-        batch and free their slot.
+        batch and free their slot; so do sequences that failed (``finish_reason == "error"``,
+        see the module doc on faults).
         """
         for seq in self.running:
             if self.cache.length(seq.slot) + 1 > self.max_model_len:
@@ -193,23 +211,42 @@ class Engine:
             proposals, draft_s = [], []
             for seq in batch:
                 t0 = time.perf_counter()
-                proposals.append(self._propose(seq, self._k_for(seq, k)))
+                try:
+                    proposals.append(self._propose(seq, self._k_for(seq, k)))
+                except Exception as e:
+                    self._fail(seq, "drafting", e)
+                    proposals.append(EMPTY_PROPOSAL)
                 draft_s.append(time.perf_counter() - t0)
                 seq.metrics.draft_time_s += draft_s[-1]
+            live = [i for i, seq in enumerate(batch) if not seq.finished]
+            batch, proposals, draft_s = [batch[i] for i in live], [proposals[i] for i in live], [draft_s[i] for i in live]
             verified, verify_s = self._verify(batch, proposals)
             for seq, proposal, v, ds, vs in zip(batch, proposals, verified, draft_s, verify_s):
-                t0 = time.perf_counter()
-                outcome, texts[seq] = self._accept(seq, proposal, v)
-                self._commit(seq, v, outcome)
-                seq.metrics.other_time_s += time.perf_counter() - t0
-                aux = 0 if outcome.aux_logits is None else outcome.aux_logits.shape[0]
-                report = RoundReport(outcome.num_proposed, outcome.num_accepted, len(outcome.committed), ds, vs,
-                                     num_positions=1 + outcome.num_proposed + aux,
-                                     depth=_depth(proposal) if proposal.parents is not None else 0)
-                self.controller.observe(seq, report)
+                if v is None:
+                    continue  # failed in verification
+                try:
+                    t0 = time.perf_counter()
+                    if v.proposal is not None:
+                        proposal = v.proposal  # a retry verified no drafts
+                    outcome, texts[seq] = self._accept(seq, proposal, v)
+                    self._commit(seq, v, outcome)
+                    seq.metrics.other_time_s += time.perf_counter() - t0
+                    aux = 0 if outcome.aux_logits is None else outcome.aux_logits.shape[0]
+                    report = RoundReport(outcome.num_proposed, outcome.num_accepted, len(outcome.committed), ds, vs,
+                                         num_positions=1 + outcome.num_proposed + aux,
+                                         depth=_depth(proposal) if proposal.parents is not None else 0)
+                    self.controller.observe(seq, report)
+                except Exception as e:
+                    self._fail(seq, "committing its tokens", e)
         for seq in [s for s in self.running if s.finished]:
             self._release(seq)
         return texts
+
+    def _fail(self, seq: Sequence, phase: str, e: Exception) -> None:
+        """Finish one sequence with an error (its slot is freed at the end of the step)."""
+        log.error("request in slot %d failed while %s", seq.slot, phase, exc_info=e)
+        seq.finish_reason = "error"
+        seq.error = f"{phase} failed: {type(e).__name__}: {e}"
 
     # ---- calibration -------------------------------------------------------------------------
 
@@ -323,9 +360,12 @@ class Engine:
             return self.k
         return batch_k
 
-    def _verify(self, batch: list[Sequence], proposals: list[Proposal]) -> tuple[list[Verified], list[float]]:
+    def _verify(self, batch: list[Sequence], proposals: list[Proposal]
+                ) -> tuple[list[Verified | None], list[float]]:
         """Verify every proposal: chains in ONE target forward (rows padded to T), trees and
-        aux-carrying chains in a forward each. Returns the results and each one's verify time."""
+        aux-carrying chains in a forward each. Returns the results (None for a sequence that
+        failed) and each one's verify time. A failed forward is retried without speculation
+        (see the module doc on faults)."""
         chains = [i for i, p in enumerate(proposals) if p.parents is None and p.aux is None]
         verified: list[Verified | None] = [None] * len(batch)
         seconds = [0.0] * len(batch)
@@ -336,17 +376,55 @@ class Engine:
             for i, v in zip(chains, results):
                 verified[i], seconds[i] = v, elapsed
         for i, (seq, proposal) in enumerate(zip(batch, proposals)):
-            if verified[i] is None:
-                t0 = time.perf_counter()
-                single = self._verify_tree if proposal.parents is not None else self._verify_aux
-                verified[i], seconds[i] = single(seq, proposal), time.perf_counter() - t0
+            if i in chains:
+                continue
+            t0 = time.perf_counter()
+            single = self._verify_tree if proposal.parents is not None else self._verify_aux
+            start = self.cache.length(seq.slot)
+            try:
+                verified[i] = single(seq, proposal)
+            except Exception as e:
+                log.warning("verify pass of slot %d failed (%s: %s); retrying without speculation",
+                            seq.slot, type(e).__name__, e)
+                self.cache.truncate(seq.slot, start)
+                verified[i] = _as_plain(self._verify_chains([seq], [EMPTY_PROPOSAL]))[0]
+            seconds[i] = time.perf_counter() - t0
         for i, (seq, s) in enumerate(zip(batch, seconds)):
             seq.metrics.verify_time_s += s / len(chains) if i in chains else s  # a shared pass is split
         return verified, seconds
 
-    def _verify_chains(self, batch: list[Sequence], proposals: list[Proposal]) -> list[Verified]:
-        """ONE target forward over every sequence's last token and drafts, rows padded to T."""
+    def _verify_chains(self, batch: list[Sequence], proposals: list[Proposal]) -> list[Verified | None]:
+        """ONE target forward over every sequence's last token and drafts, rows padded to T,
+        then each row verified on its own. If the forward raises, the batch runs again without
+        drafts, and if that raises too, each sequence runs alone without drafts; a sequence
+        whose own pass (or verification) still fails is failed, and its result is None."""
         starts = [self.cache.length(seq.slot) for seq in batch]
+        try:
+            return self._verify_rows(batch, proposals, starts, self._forward_chains(batch, proposals, starts))
+        except Exception as e:
+            error = e
+        self._roll_back(batch, starts)
+        plain = [EMPTY_PROPOSAL] * len(batch)
+        if any(len(p) for p in proposals):
+            log.warning("verify pass of %d sequence(s) failed (%s: %s); retrying without speculation",
+                        len(batch), type(error).__name__, error)
+            try:
+                return _as_plain(self._verify_rows(batch, plain, starts, self._forward_chains(batch, plain, starts)))
+            except Exception as e:
+                error = e
+            self._roll_back(batch, starts)
+        if len(batch) == 1:
+            self._fail(batch[0], "its forward pass", error)
+            return [None]
+        # each alone: only a sequence whose own pass fails is failed
+        return [_as_plain(self._verify_chains([seq], [EMPTY_PROPOSAL]))[0] for seq in batch]
+
+    def _roll_back(self, batch: list[Sequence], starts: list[int]) -> None:
+        """Undo what a failed forward may have written (it only appends past ``starts``)."""
+        for seq, start in zip(batch, starts):
+            self.cache.truncate(seq.slot, start)
+
+    def _forward_chains(self, batch: list[Sequence], proposals: list[Proposal], starts: list[int]) -> torch.Tensor:
         width = 1 + max(len(p) for p in proposals)  # T
         # Padding repeats the row's last token; the causal mask hides it from the real tokens.
         rows = [[seq.output_ids[-1], *p.tokens] + [seq.output_ids[-1]] * (width - 1 - len(p))
@@ -358,12 +436,20 @@ class Engine:
         logits = self.model(ids, positions, self.cache, slots=[seq.slot for seq in batch])  # [B, T, V]
         elapsed = time.perf_counter() - t0
         self.costs.record_forward(len(batch) * width, elapsed)
-        verified = []
+        if len(batch) == 1:
+            batch[0].metrics.record_target(width, elapsed)  # single-sequence cost model (c, alpha)
+        return logits
+
+    def _verify_rows(self, batch: list[Sequence], proposals: list[Proposal], starts: list[int],
+                     logits: torch.Tensor) -> list[Verified | None]:
+        verified: list[Verified | None] = []
         for b, (seq, proposal) in enumerate(zip(batch, proposals)):
-            if len(batch) == 1:
-                seq.metrics.record_target(width, elapsed)  # single-sequence cost model (c, alpha)
             row_logits = logits[b : b + 1, : len(proposal) + 1]  # [1, n+1, V]
-            verified.append(Verified(self._verify_logits(seq, proposal, row_logits), starts[b]))
+            try:
+                verified.append(Verified(self._verify_logits(seq, proposal, row_logits), starts[b]))
+            except Exception as e:
+                self._fail(seq, "verifying and sampling", e)
+                verified.append(None)
         return verified
 
     def _verify_aux(self, seq: Sequence, proposal: Proposal) -> Verified:
@@ -463,10 +549,18 @@ class Engine:
         """A finished sequence leaves the batch: drop drafter state, free its slot."""
         self.running.remove(seq)
         if self.drafter is not None:
-            self.drafter.finish(seq)
+            try:
+                self.drafter.finish(seq)
+            except Exception:  # the slot is freed whatever the drafter does
+                log.exception("the drafter failed to drop the state of slot %d", seq.slot)
         self.cache.reset(seq.slot)
         self.free_slots.append(seq.slot)
         self.metrics.merge(seq.metrics)
+
+def _as_plain(verified: list[Verified | None]) -> list[Verified | None]:
+    """Mark results of a retry without drafts (their drafter's proposal was not verified)."""
+    return [v if v is None else dataclasses.replace(v, proposal=EMPTY_PROPOSAL) for v in verified]
+
 
 def _fixed_k(seq: Sequence) -> bool:
     """A request that pinned its k, or a seeded sampled one (its seed must reproduce its output),

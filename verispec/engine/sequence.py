@@ -27,7 +27,8 @@ class Sequence:
     num_speculative_tokens: int | None = None  # this request's cap on drafts per round
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" | "abort"
+    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" | "abort" | "error"
+    error: str | None = None  # what failed, when finish_reason is "error"
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     stop_checker: StopChecker = field(init=False)
 

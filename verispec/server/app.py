@@ -6,11 +6,22 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 
 Every error is an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``:
 400 for bad input (malformed JSON and wrong types included; FastAPI's 422 is mapped to 400 as
-OpenAI and vLLM answer), 401 for a wrong API key, 404 for an unknown model or route, 429 with
-``Retry-After`` when the waiting queue is full, 503 with ``Retry-After`` while shutting down.
+OpenAI and vLLM answer), 401 for a wrong API key, 404 for an unknown model or route, 413 for a
+body over ``max_request_bytes``, 429 with ``Retry-After`` when the waiting queue is full, 503
+with ``Retry-After`` while shutting down, 500 for anything unexpected (logged; never a stack
+trace). ``/openapi.json`` documents each route's errors.
+
+The API key and the body size of ``/v1/`` requests are checked by a pure ASGI middleware
+(:class:`_Gate`) before any body is parsed, so neither an unauthenticated client nor an
+oversized body costs more than its headers and the bytes up to the limit. Tokenization runs in
+a worker thread: the size limit bounds its work, and the event loop (``/health``, streams)
+stays responsive meanwhile. Only a token-id prompt is refused for length before that: a token
+may span many characters and a normalizer may drop some, so no character count proves a text
+prompt too long for the context.
 
 A client that disconnects cancels its request: a stream notices when its generator is
-cancelled, a plain request polls the connection while it waits. Either way the engine thread
+cancelled, a plain request has a task waiting for the connection's disconnect message while
+tokens flow. Either way the engine thread
 aborts the sequence and its slot is free for the next request.
 """
 
@@ -19,28 +30,35 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from verispec.config import SamplingParams
+from verispec.config import MAX_REQUEST_BYTES, SamplingParams
 from verispec.engine.engine import Engine
 from verispec.engine.sequence import Sequence
 from verispec.server import protocol
 from verispec.server.metrics import ServerMetrics
 from verispec.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from verispec.server.runner import EngineRunner, Event, QueueFull, ShuttingDown
+from verispec.server.runner import EngineDead, EngineRunner, Event, QueueFull, ShuttingDown
 from verispec.server.runner import Request as EngineRequest
 
+log = logging.getLogger(__name__)
+
 RETRY_AFTER_S = 1  # what a client told to come back later should wait
-DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks its connection
+DEFAULT_REQUEST_TIMEOUT_S = 600.0  # arrival to last token; `verispec serve --request-timeout`
+MAX_STREAM_BACKLOG = 256  # unread stream events after which a slow reader's request is cancelled
+_ERROR_TYPES = {400: "invalid_request_error", 499: "cancelled", 503: "service_unavailable", 504: "timeout"}
 
 
 class APIError(Exception):
@@ -52,9 +70,17 @@ class APIError(Exception):
 
 
 def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, max_queue: int = 64,
-              shutdown_grace_s: float = 5.0) -> FastAPI:
-    """The app serving ``engine`` as model ``model_name``; the engine thread runs with the app."""
-    runner = EngineRunner(engine, ServerMetrics(), max_queue, shutdown_grace_s)
+              shutdown_grace_s: float = 5.0, max_request_bytes: int = MAX_REQUEST_BYTES,
+              request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+              max_stream_backlog: int = MAX_STREAM_BACKLOG,
+              on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """The app serving ``engine`` as model ``model_name``; the engine thread runs with the app.
+
+    ``request_timeout_s`` bounds each request from arrival to its last token (None: no limit);
+    a stream whose client leaves more than ``max_stream_backlog`` events unread is cancelled;
+    a ``/v1/`` request body over ``max_request_bytes`` is refused (413);
+    ``on_fatal`` is called if the engine thread dies (see :mod:`verispec.server.runner`)."""
+    runner = EngineRunner(engine, ServerMetrics(), max_queue, shutdown_grace_s, on_fatal)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -65,31 +91,40 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, ma
     app = FastAPI(title="verispec", lifespan=lifespan)
     app.state.runner = runner
     _add_error_handlers(app)
-    auth = Depends(_key_checker(api_key))
-    service = _Service(runner, model_name)
+    app.add_middleware(_Gate, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.openapi = lambda: _openapi(app, secured=api_key is not None)
+    service = _Service(runner, model_name, request_timeout_s, max_stream_backlog)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "the engine thread has died (see `error`)"}})
     async def health() -> JSONResponse:
-        alive = runner.alive
-        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+        if runner.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine stopped", "error": runner.fatal}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
         return Response(generate_latest(runner.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[auth])
+    @app.get("/v1/models", response_model=None, responses={200: {"model": protocol.ModelList}})
     async def models() -> dict:
         card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "verispec",
                 "max_model_len": engine.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", dependencies=[auth])
+    @app.post("/v1/completions", responses=_generation_responses(protocol.CompletionResponse,
+                                                                  protocol.CompletionChunk))
     async def completions(body: CompletionRequest, http: Request) -> Response:
-        return await service.handle(body, http, service.completion_prompt(body), chat=False)
+        service.check(body)
+        prompt_ids = await asyncio.to_thread(service.completion_prompt, body)
+        return await service.handle(body, http, prompt_ids, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[auth])
+    @app.post("/v1/chat/completions", responses=_generation_responses(protocol.ChatCompletionResponse,
+                                                                       protocol.ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
-        return await service.handle(body, http, service.chat_prompt(body), chat=True)
+        service.check(body)
+        prompt_ids = await asyncio.to_thread(service.chat_prompt, body)
+        return await service.handle(body, http, prompt_ids, chat=True)
 
     return app
 
@@ -97,48 +132,188 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, ma
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request: Request, e: APIError) -> JSONResponse:
-        body = error_body(e.message, e.kind, param=e.param, code=e.code)
-        return JSONResponse(body, status_code=e.status, headers=e.headers)
+        return _error_response(e)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body') or 'body'}: {err.get('msg')}"
-            for err in e.errors()
-        )
+        problems = protocol.describe_errors(e.errors())
         return JSONResponse(error_body(f"invalid request: {problems}"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code)
+        return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code, headers=e.headers)
 
 
-def _key_checker(api_key: str | None):
-    expected = None if api_key is None else api_key.encode()
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.kind, param=e.param, code=e.code), status_code=e.status,
+                        headers=e.headers)
 
-    def check(request: Request) -> None:
-        if expected is None:
+
+class _Gate:
+    """Pure ASGI middleware. On ``/v1/`` it checks the API key, then reads the body up to
+    ``max_request_bytes`` (refused at once when ``Content-Length`` says it is larger), before
+    the app parses anything. On every route it turns an unexpected exception into a logged 500
+    with the error envelope (or, once the response has started, lets the server close it)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int) -> None:
+        self.app = app
+        self.expected = None if api_key is None else api_key.encode()
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # Constant-time comparison: timing reveals nothing about how much of the key matched.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
-            raise APIError(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
+        started = False
 
-    return check
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        if scope["path"].startswith("/v1/"):
+            try:
+                replay = await self._admit(scope, receive)
+            except APIError as e:
+                await _error_response(e)(scope, receive, send)
+                return
+            if replay is None:
+                return  # the client left while sending its body
+            receive = replay
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if started:
+                raise
+            body = error_body("internal server error", "server_error", code="internal_error")
+            await JSONResponse(body, status_code=500)(scope, receive, send)
+
+    async def _admit(self, scope: Scope, receive: Receive) -> Receive | None:
+        """Check the key and the size; return a ``receive`` that replays the body."""
+        headers: dict[bytes, bytes] = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name, value)
+        if self.expected is not None:
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            # Constant-time comparison: timing reveals nothing about how much of the key matched.
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
+                raise APIError(401, "invalid or missing API key", "authentication_error", "invalid_api_key",
+                               {"WWW-Authenticate": "Bearer"})
+        too_large = APIError(413, f"the request body is larger than {self.max_request_bytes} bytes",
+                             code="request_too_large")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_request_bytes:
+            raise too_large
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_request_bytes:
+                raise too_large
+            more = message.get("more_body", False)
+        first: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal first
+            if first is None:
+                return await receive()  # after the body: the disconnect, when it comes
+            message, first = first, None
+            return message
+
+        return replay
+
+
+_ERROR_DESCRIPTIONS = {
+    400: "invalid request: malformed JSON, a wrong type or value, or a prompt too long for the context",
+    401: "invalid or missing API key",
+    404: "no such model",
+    413: "the request body is over the server's limit",
+    429: "the waiting queue is full; retry after Retry-After seconds",
+    500: "unexpected server error",
+    503: "shutting down (retry after Retry-After seconds) or the engine stopped",
+    504: "the request timed out",
+}
+
+
+def _generation_responses(model: type, chunk: type) -> dict:
+    """OpenAPI responses of a generation route: one JSON body or, with ``stream``, server-sent
+    events (each a JSON chunk or error, then ``[DONE]``); the route's own errors (see
+    :func:`_openapi`, which adds the chunk schemas). Open API 3.1 has ``schema`` describe each
+    event of a stream."""
+    json_data = {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [
+        {"$ref": f"#/components/schemas/{chunk.__name__}"}, {"$ref": "#/components/schemas/ErrorResponse"}]}}
+    event = {"type": "object", "required": ["data"],
+             "properties": {"data": {"anyOf": [{"const": "[DONE]"}, json_data]}}}
+    ok = {"model": model, "description": "the completion, or its server-sent events with `stream`",
+          "content": {"text/event-stream": {"schema": event}}}
+    errors = {s: {"model": protocol.ErrorResponse, "description": _ERROR_DESCRIPTIONS[s]}
+              for s in (400, 404, 429, 503, 504)}
+    return {200: ok, **errors}
+
+
+def _openapi(app: FastAPI, secured: bool) -> dict:
+    """FastAPI's OpenAPI document made to match the server: no 422 (validation errors are
+    400), the gate's 401 (with a key) and 413 on ``/v1/`` routes, 500 on every route."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    for model in (protocol.CompletionChunk, protocol.ChatCompletionChunk):  # only named by the SSE schemas
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    # The generation routes put ErrorResponse into the components.
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    if secured:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, operations in doc["paths"].items():
+        gated = path.startswith("/v1/")
+        for operation in operations.values():
+            responses = operation["responses"]
+            responses.pop("422", None)
+            for status in ((401, 413, 500) if gated and secured else (413, 500) if gated else (500,)):
+                responses[str(status)] = {"description": _ERROR_DESCRIPTIONS[status], **error}
+            if gated and secured:
+                operation["security"] = [{"bearer": []}]
+    app.openapi_schema = doc
+    return doc
 
 
 class _Service:
     """Turns validated requests into engine requests and engine events into responses."""
 
-    def __init__(self, runner: EngineRunner, model_name: str) -> None:
+    def __init__(self, runner: EngineRunner, model_name: str, request_timeout_s: float | None,
+                 max_stream_backlog: int) -> None:
         self.runner = runner
         self.engine = runner.engine
         self.model_name = model_name
+        self.request_timeout_s = request_timeout_s
+        self.max_stream_backlog = max_stream_backlog
 
     # ---- prompts -----------------------------------------------------------------------------
 
+    def check(self, body: protocol.SamplingRequest) -> None:
+        """The cheap checks, before the prompt is tokenized."""
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                           "not_found_error", "model_not_found")
+        problem = body.unsupported()
+        if problem:
+            raise APIError(400, problem)
+        if isinstance(body, ChatCompletionRequest) and not self.engine.target.tokenizer.has_chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions")
+        if isinstance(body, CompletionRequest) and isinstance(body.prompt, list):
+            self._check_prompt_length(len(body.prompt))  # token ids: their count is known already
+
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
+        """Token ids of the prompt (blocking: runs in a worker thread)."""
         if isinstance(body.prompt, str):
             ids = self.engine.target.tokenizer.encode(body.prompt)
         else:
@@ -152,32 +327,30 @@ class _Service:
         return ids
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        tok = self.engine.target.tokenizer
-        if not tok.has_chat_template:
-            raise APIError(400, "this model has no chat template; use /v1/completions")
-        return tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+        """Token ids of the conversation (blocking: runs in a worker thread)."""
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return self.engine.target.tokenizer.apply_chat_template(messages)
 
     # ---- one request -------------------------------------------------------------------------
 
     async def handle(self, body: protocol.SamplingRequest, http: Request, prompt_ids: list[int],
                      chat: bool) -> Response:
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           "not_found_error", "model_not_found")
-        problem = body.unsupported()
-        if problem:
-            raise APIError(400, problem)
         params = self._sampling_params(body, len(prompt_ids))
         queue: asyncio.Queue[Event] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
-        def deliver(event: Event) -> None:
+        def put(event: Event) -> None:  # on the event loop
+            queue.put_nowait(event)
+            if not event.done and queue.qsize() > self.max_stream_backlog:
+                self.runner.cancel(request, "slow_reader")  # the client does not keep up
+
+        def deliver(event: Event) -> None:  # on the engine thread
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
+                loop.call_soon_threadsafe(put, event)
             except RuntimeError:
                 pass  # the event loop is gone (server shut down); nobody is listening
 
-        request = EngineRequest(prompt_ids, params, self._request_k(body), deliver)
+        request = EngineRequest(prompt_ids, params, self._request_k(body), deliver, timeout_s=self.request_timeout_s)
         try:
             self.runner.submit(request)
         except QueueFull as e:
@@ -185,16 +358,22 @@ class _Service:
                            {"Retry-After": str(RETRY_AFTER_S)}) from None
         except ShuttingDown as e:
             raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineDead as e:
+            raise APIError(503, str(e), "service_unavailable", "engine_dead") from None
         reply = _Reply(self.model_name, chat, len(prompt_ids))
         if body.stream:
             return StreamingResponse(self._stream(request, queue, reply), media_type="text/event-stream")
         return await self._collect(request, queue, reply, http)
 
-    def _sampling_params(self, body: protocol.SamplingRequest, prompt_len: int) -> SamplingParams:
+    def _check_prompt_length(self, prompt_len: int) -> None:
         limit = self.engine.max_model_len
         if prompt_len >= limit:
             raise APIError(400, f"the prompt has {prompt_len} tokens but this model's maximum context "
                            f"length is {limit} tokens", code="context_length_exceeded")
+
+    def _sampling_params(self, body: protocol.SamplingRequest, prompt_len: int) -> SamplingParams:
+        self._check_prompt_length(prompt_len)
+        limit = self.engine.max_model_len
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
             max_tokens = limit - prompt_len
@@ -225,24 +404,28 @@ class _Service:
 
     async def _collect(self, request: EngineRequest, queue: asyncio.Queue[Event], reply: _Reply,
                        http: Request) -> Response:
+        """Wait for the whole completion, or for the client to disconnect (noticed at once: a
+        task waits for the connection's disconnect message, whatever the tokens do)."""
         pieces: list[str] = []
-        done = False
+        event = Event()
+        gone = asyncio.ensure_future(_disconnected(http))
         try:
-            while not done:
-                try:
-                    event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        return Response(status_code=499)  # nobody reads it; `finally` cancels
-                    continue
+            while not event.done:
+                get = asyncio.ensure_future(queue.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    return Response(status_code=499)  # nobody reads it; `finally` cancels
+                event = get.result()
                 pieces.append(event.text)
-                done = event.done
         finally:
-            if not done:
+            gone.cancel()
+            if not event.done:
                 self.runner.cancel(request)
         if event.error is not None:
-            raise APIError(503, f"request not completed: {event.error}", "service_unavailable",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+            headers = {"Retry-After": str(RETRY_AFTER_S)} if event.status == 503 else None
+            raise APIError(event.status, f"request not completed: {event.error}",
+                           _ERROR_TYPES.get(event.status, "server_error"), headers=headers)
         return JSONResponse(reply.full("".join(pieces), event.final))
 
     async def _stream(self, request: EngineRequest, queue: asyncio.Queue[Event],
@@ -255,13 +438,23 @@ class _Service:
                 event = await queue.get()
                 done = event.done
                 if event.error is not None:
-                    yield _sse(error_body(f"request not completed: {event.error}", "service_unavailable"))
+                    if event.text:
+                        yield _sse(reply.chunk(event.text))
+                    yield _sse(error_body(f"request not completed: {event.error}",
+                                          _ERROR_TYPES.get(event.status, "server_error")))
                 elif event.text or event.final is not None:
                     yield _sse(reply.chunk(event.text, event.final))
             yield "data: [DONE]\n\n"
         finally:
             if not done:  # the client went away (the generator was cancelled or closed)
                 self.runner.cancel(request)
+
+
+async def _disconnected(http: Request) -> None:
+    """Return when the client has disconnected. The body has been read, so the server's next
+    ASGI message for this request is the disconnect (or the end of the response)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _sse(payload: dict) -> str:

@@ -43,12 +43,16 @@ class ServerMetrics:
         self.accepted_per_pos = counter(
             "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.", ("position",)
         )
+        # received = waiting + running + success + aborted + rejected, at any time (runner.py)
+        self.received = counter("request_received", "Requests submitted to the engine thread's queue.")
         self.success = counter("request_success", "Requests that completed.", ("finished_reason",))
-        self.aborted = counter("request_aborted", "Requests cancelled or aborted while running.")
-        self.rejected = counter("request_rejected", "Requests refused before running.", ("reason",))
+        self.aborted = counter("request_aborted", "Requests that ended without completing: cancelled, "
+                               "timeout, slow_reader, shutdown or error.", ("reason",))
+        self.rejected = counter("request_rejected", "Requests refused before running: queue_full, "
+                                "shutting_down, engine_dead or invalid.", ("reason",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.running = gauge("num_requests_running", "Requests in the running batch (admitted, not ended).")
         self.waiting = gauge("num_requests_waiting", "Requests in the waiting queue.")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")

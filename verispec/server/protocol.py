@@ -1,9 +1,20 @@
 """Request and response schemas of the OpenAI-compatible API (the subset verispec serves).
 
-Requests are pydantic models, so a wrong type is rejected before it reaches the engine (the app
-answers 400 with an OpenAI-style error body). Fields that OpenAI defines but verispec does not
-implement are accepted only at their neutral value (``n=1``, no ``logprobs``, zero penalties);
-anything else is a clear 400, never silently ignored.
+Requests are strict pydantic models: a wrong type (``"5"`` for an integer, ``1`` for a boolean)
+is rejected before it reaches the engine, and the app answers 400 with an OpenAI-style error
+body; as in JSON Schema, ``3.0`` is an integer. The models generate the OpenAPI document, so
+every bound below is also published there:
+
+* ``seed`` is an int64 and ``top_k`` at most 2**31 - 1 (torch overflows beyond; a ``top_k`` at
+  or above the vocabulary keeps every token);
+* at most ``MAX_STOP_STRINGS`` stop strings of 1 to ``MAX_STOP_CHARS`` characters each;
+* a prompt (text or token ids) is not empty;
+* every string is valid Unicode: a lone surrogate (JSON ``"\\ud800"``) is a 400, not a
+  tokenizer crash.
+
+Fields that OpenAI defines but verispec does not implement are accepted only at their neutral
+value (``n=1``, no ``logprobs``, zero penalties), which the schema states; anything else is a
+clear 400 (:meth:`SamplingRequest.unsupported`), never silently ignored.
 
 verispec extras:
 
@@ -16,48 +27,86 @@ verispec extras:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
 
+from verispec.config import SEED_MAX, SEED_MIN, TOP_K_MAX
 from verispec.speculative.metrics import SpecMetrics
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000
 
-class SpeculativeOptions(BaseModel):
+
+def _valid_unicode(value: object) -> object:
+    # Before pydantic's own checks, which would reject a lone surrogate less clearly (or not at all).
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("the text is not valid Unicode (it holds a lone surrogate)") from None
+    return value
+
+
+def _integral(value: object) -> object:
+    # JSON Schema counts 3.0 as an integer; strict pydantic would not.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# The bounds go inside the validator: outside, pydantic publishes them as "ge"/"le", not JSON Schema.
+Int = Annotated[int, BeforeValidator(_integral)]
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+NonNegativeInt = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+TopK = Annotated[int, Field(ge=-1, le=TOP_K_MAX), BeforeValidator(_integral)]
+# OpenAPI's int64 format rather than the bounds: FastAPI writes bounds as floats, and 2**63 - 1
+# as a float is 2**63.
+Int64 = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), BeforeValidator(_integral),
+                  WithJsonSchema({"type": "integer", "format": "int64"})]
+Text = Annotated[str, BeforeValidator(_valid_unicode)]
+NonEmptyText = Annotated[str, StringConstraints(min_length=1), BeforeValidator(_valid_unicode)]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), BeforeValidator(_valid_unicode)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+
+class SpeculativeOptions(_Strict):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
-    num_speculative_tokens: int | None = Field(default=None, ge=0)
+    num_speculative_tokens: NonNegativeInt | None = None
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    model: Text | None = None
+    max_tokens: PositiveInt | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: TopK = 0
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = 1
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
     ignore_eos: bool = False
     speculative: SpeculativeOptions | None = None
+    # Accepted only at their neutral value (`unsupported`); the schema says which.
+    n: Int = Field(default=1, json_schema_extra={"const": 1})
+    logprobs: bool | Int | None = Field(default=None, json_schema_extra={"enum": [False, 0, None]})
+    top_logprobs: Int | None = Field(default=None, json_schema_extra={"enum": [0, None]})
+    presence_penalty: float = Field(default=0.0, json_schema_extra={"const": 0})
+    frequency_penalty: float = Field(default=0.0, json_schema_extra={"const": 0})
+    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra={"maxProperties": 0})
 
     def unsupported(self) -> str | None:
         """A message naming the first unsupported option that was set, or None."""
@@ -79,10 +128,10 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int]
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: NonEmptyText | Annotated[list[NonNegativeInt], Field(min_length=1)]
+    echo: bool = Field(default=False, json_schema_extra={"const": False})
+    suffix: Text | None = Field(default=None, json_schema_extra={"maxLength": 0})
+    best_of: Int | None = Field(default=None, json_schema_extra={"enum": [1, None]})
 
     def unsupported(self) -> str | None:
         if self.echo or self.suffix or (self.best_of not in (None, 1)):
@@ -90,15 +139,15 @@ class CompletionRequest(SamplingRequest):
         return super().unsupported()
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | list[TextPart]
+    name: Text | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -106,15 +155,156 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: PositiveInt | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+# ---- responses: they document the bodies the app builds (as dicts) in the OpenAPI document ----
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpeculativeStats(BaseModel):
+    drafted: int
+    accepted: int
+    rounds: int
+    acceptance_rate: float | None
+    mean_acceptance_length: float | None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    speculative_stats: SpeculativeStats
+
+
+class CompletionChunk(CompletionResponse):
+    """One server-sent event of a stream; the last one has ``usage`` and ``speculative_stats``."""
+
+    usage: Usage | None = None
+    speculative_stats: SpeculativeStats | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    speculative_stats: SpeculativeStats
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a stream; the last one has ``usage`` and ``speculative_stats``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    speculative_stats: SpeculativeStats | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+def describe_errors(errors: list[dict]) -> str:
+    """pydantic's errors as ``field.path: message; ...``.
+
+    A union (``prompt``: text or token ids) reports one error per member, labelled with the
+    member's type; the labels are dropped, and so is a member's wrong-type error when another
+    member's error says more (it is deeper in the value, or not about the type).
+    """
+    found = []
+    for err in errors:
+        path = tuple(p for p in err.get("loc", ()) if p != "body" and not _is_union_label(p))
+        error = (err.get("ctx") or {}).get("error")
+        message = str(error) if err.get("type") == "value_error" and error is not None else err.get("msg")
+        found.append((path, err.get("type", ""), message))
+
+    def explained_elsewhere(path: tuple, kind: str) -> bool:  # by a deeper or a non-type error
+        return kind.endswith("_type") and any(
+            p[:len(path)] == path and (len(p) > len(path) or not k.endswith("_type")) for p, k, _ in found)
+
+    kept = [(path, message) for path, kind, message in found if not explained_elsewhere(path, kind)]
+    return "; ".join(f"{'.'.join(str(p) for p in path) or 'body'}: {message}" for path, message in kept)
+
+
+def _is_union_label(part: object) -> bool:
+    # pydantic names a union member by its type: "str", "list[int]", "function-after[...]", ...
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
+                                      or any(c in part for c in "[(-"))
+
+
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
-    """The OpenAI error envelope."""
+    """The OpenAI error envelope. A lone surrogate (echoed from a request) is escaped, so the
+    body always encodes as UTF-8."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 

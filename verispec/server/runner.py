@@ -4,21 +4,41 @@ The HTTP side (asyncio) and the engine (one plain thread, since every step is a 
 call) meet at two thread-safe points:
 
 * :meth:`EngineRunner.submit` appends a :class:`Request` to a bounded waiting queue (a full
-  queue raises :class:`QueueFull`, which the app turns into 429 with ``Retry-After``);
-  :meth:`EngineRunner.cancel` flags a request whose client went away.
+  queue raises :class:`QueueFull`, which the app turns into 429 with ``Retry-After``; a dead
+  engine thread raises :class:`EngineDead`, 503); :meth:`EngineRunner.cancel` flags a request
+  whose client went away (or reads too slowly).
 * The engine thread reports back through each request's ``deliver`` callback, which the app
   binds to ``loop.call_soon_threadsafe(queue.put_nowait, ...)``.
 
 One loop iteration::
 
-    drop cancelled requests (abort running ones: their slot is freed at once)
+    end requests that were cancelled or ran past their deadline (a running one is aborted:
+        its slot is freed at once)
     admit waiting requests while a slot is free (prefill each; its first text is delivered)
     engine.step()            one target forward for every running sequence
-    deliver new text; deliver a final event to each finished sequence
+    deliver new text; deliver a final event to each finished or failed sequence
 
-The loop sleeps on a condition variable when there is nothing to do. :meth:`EngineRunner.stop`
-stops admitting, lets running requests finish for a grace period, then aborts the rest, so
-every request ends with a final event: completed or explicitly errored.
+The loop sleeps on a condition variable when nothing waits or runs (so no deadline can pass).
+
+Every submitted request gets exactly one final event (``Event.done``), whatever raises:
+
+* a failure of one sequence (its drafter, sampling, stop check; see the engine's module doc)
+  ends that request with an error, and the others run on;
+* a failure of :meth:`Engine.add_request` ends that request (status 400 for a ``ValueError``,
+  the engine's input check, else 500);
+* anything else raised by a step fails the running requests, and the loop goes on;
+* if the loop itself dies (its error handling raised), the thread's last act ends every request
+  still waiting or running, marks the runner dead (so :meth:`submit` refuses at once and
+  ``/health`` says so) and calls ``on_fatal`` (``verispec serve --exit-on-fatal`` exits, so a
+  supervisor restarts the process).
+
+:meth:`EngineRunner.stop` stops admitting, lets running requests finish for a grace period,
+then aborts the rest.
+
+Metrics add up: every request counted in ``request_received`` is, at any time, exactly one of
+waiting (gauge), running (gauge), succeeded (``request_success``), aborted (``request_aborted``,
+by reason: cancelled, timeout, slow_reader, shutdown, error) or rejected (``request_rejected``,
+by reason: queue_full, shutting_down, engine_dead, invalid).
 """
 
 from __future__ import annotations
@@ -46,13 +66,20 @@ class ShuttingDown(Exception):
     """The server is stopping and takes no new requests."""
 
 
+class EngineDead(Exception):
+    """The engine thread has died; nothing will be served until the process restarts."""
+
+
 @dataclass(frozen=True)
 class Event:
-    """What the engine thread tells one request: new text, and at the end the sequence."""
+    """What the engine thread tells one request: new text, and at the end the sequence or an
+    error. ``status`` is the HTTP status an error maps to; ``reason`` its metrics label."""
 
     text: str = ""
     final: Sequence | None = None  # set on the last event of a completed request
     error: str | None = None  # set on the last event of a failed or aborted request
+    status: int = 500
+    reason: str = "error"
 
     @property
     def done(self) -> bool:
@@ -66,24 +93,41 @@ class Request:
     num_speculative_tokens: int | None
     deliver: Callable[[Event], None]  # must be thread-safe
     arrival: float = field(default_factory=time.monotonic)
-    cancelled: bool = False
+    timeout_s: float | None = None  # from arrival to the final event; None: no limit
+    cancelled: str | None = None  # why the client side gave up ("cancelled", "slow_reader")
+    ended: bool = False  # its final event was delivered
     last_token_at: float = 0.0
     exported: SpecSnapshot = EMPTY_SNAPSHOT  # speculative counters already exported
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.timeout_s is None else self.arrival + self.timeout_s
+
+
+# Final events of requests the engine thread ends without completing them.
+_ABORTS = {
+    "cancelled": (499, "cancelled"),
+    "slow_reader": (499, "cancelled: the client read the stream too slowly"),
+    "timeout": (504, "the request timed out"),
+    "shutdown": (503, "the server shut down"),
+}
 
 
 class EngineRunner:
     def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 64,
-                 shutdown_grace_s: float = 5.0) -> None:
+                 shutdown_grace_s: float = 5.0, on_fatal: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
         self.shutdown_grace_s = shutdown_grace_s
+        self.on_fatal = on_fatal
         self._waiting: deque[Request] = deque()
         self._running: dict[Sequence, Request] = {}
         self._cond = threading.Condition()
         self._stopping = False
         self._deadline: float | None = None  # when stopping: abort what still runs after this
-        self._thread = threading.Thread(target=self._loop, name="verispec-engine", daemon=True)
+        self.fatal: str | None = None  # why the engine thread died, if it did
+        self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
 
     # ---- asyncio side ------------------------------------------------------------------------
 
@@ -92,7 +136,14 @@ class EngineRunner:
 
     def submit(self, request: Request) -> None:
         with self._cond:
+            self.metrics.received.inc()
+            if self.fatal is not None or (self._thread.ident is not None and not self._thread.is_alive()
+                                          and not self._stopping):
+                self.metrics.rejected.labels(reason="engine_dead").inc()
+                raise EngineDead(f"the engine has stopped ({self.fatal or 'its thread ended'}); "
+                                 "the server must be restarted")
             if self._stopping:
+                self.metrics.rejected.labels(reason="shutting_down").inc()
                 raise ShuttingDown("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 self.metrics.rejected.labels(reason="queue_full").inc()
@@ -101,9 +152,10 @@ class EngineRunner:
             self.metrics.waiting.set(len(self._waiting))
             self._cond.notify()
 
-    def cancel(self, request: Request) -> None:
+    def cancel(self, request: Request, reason: str = "cancelled") -> None:
         with self._cond:
-            request.cancelled = True
+            if request.cancelled is None:
+                request.cancelled = reason
             self._cond.notify()
 
     def begin_stop(self) -> None:
@@ -122,7 +174,7 @@ class EngineRunner:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.fatal is None
 
     @property
     def num_active(self) -> int:
@@ -132,6 +184,17 @@ class EngineRunner:
 
     # ---- engine thread -----------------------------------------------------------------------
 
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # the loop's own error handling failed
+            self.fatal = f"{type(e).__name__}: {e}"
+            log.critical("the engine thread died; no request will be served", exc_info=e)
+        finally:
+            self._end_all()
+        if self.fatal is not None and self.on_fatal is not None:
+            self.on_fatal()
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -140,29 +203,65 @@ class EngineRunner:
                 if self._stopping and not self._running and not self._waiting:
                     return
             try:
-                self._drop_cancelled()
+                self._drop_ended()
                 self._admit()
                 if self._running:
                     self._step()
             except Exception as e:  # a bug must not leave clients waiting forever
                 log.exception("engine step failed; failing the running requests")
-                for seq, r in list(self._running.items()):
-                    self.engine.abort(seq)
-                    self._finish(seq, r, f"internal engine error: {e}")
+                self._fail_running(f"internal engine error: {type(e).__name__}: {e}")
 
-    def _drop_cancelled(self) -> None:
-        with self._cond:
-            expired = self._stopping and time.monotonic() >= (self._deadline or 0.0)
-            gone = [r for r in self._waiting if r.cancelled or self._stopping]
-            for r in gone:
-                self._waiting.remove(r)
-            self.metrics.waiting.set(len(self._waiting))
-        for r in gone:
-            r.deliver(Event(error="cancelled" if r.cancelled else "the server is shutting down"))
+    def _fail_running(self, error: str) -> None:
         for seq, r in list(self._running.items()):
-            if r.cancelled or expired:
+            self.engine.abort(seq)
+            self._finish(seq, r, Event(error=error))
+
+    def _end_all(self) -> None:
+        """The thread is ending: every request still waiting or running gets its final event."""
+        with self._cond:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        error = f"the engine stopped: {self.fatal}" if self.fatal else "the server shut down"
+        for r in waiting:
+            self._end(r, Event(error=error, status=503, reason="shutdown"))
+        for seq, r in list(self._running.items()):
+            try:
                 self.engine.abort(seq)
-                self._finish(seq, r, "cancelled" if r.cancelled else "the server shut down")
+            except Exception:
+                log.exception("could not abort slot %d", seq.slot)
+            self._finish(seq, r, Event(error=error, status=503, reason="shutdown"))
+        self._update_gauges()
+
+    def _drop_ended(self) -> None:
+        """End requests whose client gave up, that ran past their deadline, or (stopping) that
+        are past the grace period."""
+        now = time.monotonic()
+        with self._cond:
+            expired = self._stopping and now >= (self._deadline or 0.0)
+            gone = [(r, self._why_ended(r, now) or "shutdown") for r in self._waiting
+                    if self._stopping or self._why_ended(r, now)]
+            for r, _ in gone:
+                self._waiting.remove(r)
+        for r, why in gone:
+            status, message = _ABORTS[why]
+            if why == "shutdown":
+                message = "the server is shutting down"
+            self._end(r, Event(error=message, status=status, reason=why))
+        for seq, r in list(self._running.items()):
+            why = self._why_ended(r, now) or ("shutdown" if expired else None)
+            if why is not None:
+                self.engine.abort(seq)
+                status, message = _ABORTS[why]
+                self._finish(seq, r, Event(error=message, status=status, reason=why))
+        self._update_gauges()
+
+    @staticmethod
+    def _why_ended(r: Request, now: float) -> str | None:
+        if r.cancelled is not None:
+            return r.cancelled
+        if r.deadline is not None and now >= r.deadline:
+            return "timeout"
+        return None
 
     def _admit(self) -> None:
         while self.engine.free_slots:
@@ -170,20 +269,23 @@ class EngineRunner:
                 if not self._waiting:
                     return
                 r = self._waiting.popleft()
-                self.metrics.waiting.set(len(self._waiting))
+                self._update_gauges()
             try:
                 seq = self.engine.add_request(r.prompt_ids, r.params, r.num_speculative_tokens)
-            except (ValueError, RuntimeError) as e:  # the app validates first; this is a backstop
-                self.metrics.rejected.labels(reason="engine").inc()
-                r.deliver(Event(error=str(e)))
+            except Exception as e:  # the app validates first; this is a backstop
+                invalid = isinstance(e, ValueError)
+                if not invalid:
+                    log.exception("admitting a request failed")
+                error = str(e) if invalid else f"internal engine error: admission failed: {type(e).__name__}: {e}"
+                self._end(r, Event(error=error, status=400 if invalid else 500, reason="invalid" if invalid else "error"))
                 continue
             now = time.monotonic()
             self.metrics.ttft.observe(now - r.arrival)
             self.metrics.prompt_tokens.inc(len(r.prompt_ids))
             r.last_token_at = now
             self._running[seq] = r
+            self._update_gauges()
             self._report(seq, r, seq.text, len(seq.output_ids))
-        self.metrics.running.set(len(self._running))
 
     def _step(self) -> None:
         before = {seq: len(seq.output_ids) for seq in self._running}
@@ -203,13 +305,33 @@ class EngineRunner:
             if text:
                 r.deliver(Event(text=text))
             return
-        r.deliver(Event(text=text, final=seq))
-        self.metrics.success.labels(finished_reason=seq.finish_reason).inc()
-        del self._running[seq]
-        self.metrics.running.set(len(self._running))
+        if seq.finish_reason == "error":
+            self._finish(seq, r, Event(text=text, error=f"internal engine error: {seq.error}"))
+            return
+        self._finish(seq, r, Event(text=text, final=seq))
 
-    def _finish(self, seq: Sequence, r: Request, error: str) -> None:
-        del self._running[seq]
+    def _finish(self, seq: Sequence, r: Request, event: Event) -> None:
+        """A running request's final event (its sequence has left the engine's batch)."""
+        self._running.pop(seq, None)
+        self._end(r, event)
+        self._update_gauges()
+
+    def _end(self, r: Request, event: Event) -> None:
+        """Deliver ``r``'s final event once, and count how it ended."""
+        if r.ended:
+            return
+        r.ended = True
+        if event.error is None:
+            self.metrics.success.labels(finished_reason=event.final.finish_reason).inc()
+        elif event.reason == "invalid":
+            self.metrics.rejected.labels(reason="invalid").inc()
+        else:
+            self.metrics.aborted.labels(reason=event.reason).inc()
+        try:
+            r.deliver(event)
+        except Exception:  # a broken callback must not stop the engine
+            log.exception("delivering a final event failed")
+
+    def _update_gauges(self) -> None:
+        self.metrics.waiting.set(len(self._waiting))
         self.metrics.running.set(len(self._running))
-        self.metrics.aborted.inc()
-        r.deliver(Event(error=error))

@@ -6,17 +6,24 @@ requests the app's grace period; requests still running then end with an explici
 so every stream closes with a final ``data:`` line and ``[DONE]`` instead of being cut. uvicorn
 meanwhile waits (up to ``GRACEFUL_SHUTDOWN_S``, longer than the grace) for those responses to
 finish, and the app's lifespan then joins the engine thread.
+
+Serving on a non-loopback address without an API key logs a warning: anyone who can reach the
+port can then use the model.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import socket
 import threading
 import time
 
 import uvicorn
 
-from verispec.config import SpeculativeConfig
+from verispec.config import MAX_REQUEST_BYTES, SpeculativeConfig
+
+log = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 15  # uvicorn's wait for open responses; above the engine's grace period
 
@@ -63,13 +70,43 @@ class BackgroundServer:
 
 def serve(model: str, spec: SpeculativeConfig | None, *, host: str, port: int, api_key: str | None,
           served_model_name: str | None, max_num_seqs: int, max_model_len: int, max_queue: int,
-          device: str, dtype: str) -> None:
+          device: str, dtype: str, request_timeout_s: float | None = 600.0, exit_on_fatal: bool = False,
+          max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
+    """Run the server until it is stopped. With ``exit_on_fatal``, a dead engine thread stops
+    the server (gracefully, as SIGTERM would) and the process exits with status 1."""
     from verispec.engine.engine import Engine
     from verispec.models.loader import load_model
     from verispec.server.app import build_app
 
+    warn_if_exposed(host, api_key)
     target = load_model(model, device=device, dtype=dtype)
     engine = Engine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
-    app = build_app(engine, served_model_name or model, api_key=api_key, max_queue=max_queue)
+    server: GracefulServer | None = None
+
+    def on_fatal() -> None:
+        if exit_on_fatal and server is not None:
+            server.should_exit = True
+
+    app = build_app(engine, served_model_name or model, api_key=api_key, max_queue=max_queue,
+                    max_request_bytes=max_request_bytes,
+                    request_timeout_s=request_timeout_s, on_fatal=on_fatal)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    GracefulServer(config).run()
+    server = GracefulServer(config)
+    server.run()
+    if exit_on_fatal and app.state.runner.fatal is not None:
+        raise SystemExit(1)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # another host name: it may resolve to any address
+        return False
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> None:
+    if api_key is None and not is_loopback(host):
+        log.warning("serving on %s without an API key: anyone who can reach this port can use the model "
+                    "(set --api-key-file or VERISPEC_API_KEY)", host)
