@@ -182,3 +182,49 @@ def test_builder_makes_tree_drafters_and_loads_each_draft_once_per_quantization(
     assert type(drafters[0]) is DraftModelDrafter
     assert isinstance(drafters[1], TreeDraftModelDrafter)
     assert calls == [("d", "auto"), ("d", "int8")]  # "auto": the default, a GGUF draft on the native kernels
+
+
+@pytest.mark.parametrize("text, url, label", [
+    ("openai:http://127.0.0.1:8080", "http://127.0.0.1:8080", "openai:127.0.0.1:8080"),
+    ("openai:http://127.0.0.1:8080/@llama-draft", "http://127.0.0.1:8080", "openai:llama-draft"),
+    ("openai:https://user@example.com:443", "https://user@example.com:443", "openai:user@example.com:443"),
+])
+def test_openai_methods_name_a_server_url_and_an_optional_label(text, url, label):
+    spec = parse_methods(text)[1]
+    assert (spec.backend, spec.arg, spec.label) == ("openai", url, label)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("openai:127.0.0.1:8080", "expected openai:http://HOST:PORT"),
+    ("openai:ftp://x@y", "expected openai:http://HOST:PORT"),
+    ("openai:http://h:1@x,k=3", "takes no KEY=VALUE options"),
+])
+def test_bad_openai_methods_give_clear_errors(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_methods(text)
+
+
+def test_openai_runner_times_a_live_server_and_gets_its_greedy_tokens():
+    """Against a live verispec server on the tiny model: the same prompt ids give the ids the
+    engine gives locally (the character tokenizer round-trips text exactly), with a TTFT."""
+    from liveserver import make_server
+    from verispec.bench.methods import OpenAIRunner
+    from verispec.engine.engine import Engine
+
+    with make_server(api_key=None) as live:
+        engine = live.runner.engine
+        prompt = engine.target.tokenizer.encode("timing a server", add_special_tokens=False)
+        params = SamplingParams(temperature=0.0, max_tokens=12)
+        local = Engine(engine.target, max_model_len=64).generate(prompt, params)
+        runner = OpenAIRunner(live.url, engine.target.tokenizer)
+        assert runner.model == "tiny"
+        result = runner.generate(prompt, params)
+    assert result.output_ids == local.output_ids and result.finish_reason == local.finish_reason
+    assert 0 < result.prefill_s <= result.total_s
+
+
+def test_openai_runner_says_when_no_server_answers():
+    from verispec.bench.methods import OpenAIRunner
+
+    with pytest.raises(ValueError, match="no OpenAI-compatible server answered"):
+        OpenAIRunner("http://127.0.0.1:9", object(), timeout_s=5)

@@ -17,6 +17,16 @@ Syntax, one method per comma-separated item::
 * ``llamacpp:plain``, ``llamacpp:prompt_lookup`` -- llama.cpp through llama-cpp-python (an
   optional package) on the GGUF file itself; ``k`` is short for ``num_pred_tokens``, and
   ``max_ngram_size`` is also accepted.
+* ``openai:URL[@LABEL]`` -- a running OpenAI-compatible server (``llama-server`` with any
+  ``--spec-type``, vLLM, another verispec) at ``URL`` (``http://host:port``), reported as
+  ``openai:LABEL`` (default: the URL's host and port). Each turn is one streamed
+  ``/v1/completions`` request whose prompt is the same token ids every other method gets (so
+  the server's own chat template plays no part), at the same temperature and ``max_tokens``,
+  with every other sampler off; the model is the first one the server lists. Prefill is the
+  time to the first streamed text (TTFT). The server returns text, not ids: the output ids are
+  the text re-tokenized by the target's tokenizer (plus its EOS when the server stopped there),
+  which equals the generated ids wherever the text round-trips. ``OPENAI_API_KEY`` is sent as
+  the key if set.
 
 Options continue after a comma until the next item that is not ``KEY=VALUE``; values are read
 as JSON when they parse (``4``, ``true``) and as strings otherwise. ``plain`` is always run,
@@ -53,13 +63,15 @@ _OPTION = re.compile(r"^[A-Za-z_]\w*=")
 
 @dataclass(frozen=True)
 class MethodSpec:
-    backend: str  # "verispec" | "hf" | "llamacpp"
-    name: str  # "plain", a drafter name, "assisted", "prompt_lookup"
-    arg: str | None = None
+    backend: str  # "verispec" | "hf" | "llamacpp" | "openai"
+    name: str  # "plain", a drafter name, "assisted", "prompt_lookup"; openai: the label
+    arg: str | None = None  # a draft model; openai: the server's URL
     options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
+        if self.backend == "openai":
+            return f"openai:{self.name}"
         text = self.name if self.backend == "verispec" else f"{self.backend}:{self.name}"
         if self.arg is not None:
             text += f":{self.arg}"
@@ -77,7 +89,7 @@ def valid_methods_text() -> str:
     from verispec.speculative.base import available_methods
 
     return (f"plain, {', '.join(available_methods())} (verispec drafters), hf:plain, hf:assisted:DRAFT, "
-            f"hf:prompt_lookup, llamacpp:plain, llamacpp:prompt_lookup")
+            f"hf:prompt_lookup, llamacpp:plain, llamacpp:prompt_lookup, openai:URL[@LABEL]")
 
 
 def parse_methods(text: str) -> list[MethodSpec]:
@@ -104,6 +116,8 @@ def parse_methods(text: str) -> list[MethodSpec]:
 
 
 def _parse_one(head: str, more: list[str]) -> MethodSpec:
+    if head.startswith("openai:"):
+        return _parse_openai(head, more)
     body, _, first_option = head.partition("@")
     options = _parse_options([first_option, *more] if first_option else more, head)
     backend = "verispec"
@@ -115,6 +129,23 @@ def _parse_one(head: str, more: list[str]) -> MethodSpec:
     spec = MethodSpec(backend, name, arg or None, options)
     {"verispec": _check_verispec, "hf": _check_hf, "llamacpp": _check_llamacpp}[backend](spec)
     return spec
+
+
+def _parse_openai(head: str, more: list[str]) -> MethodSpec:
+    """``openai:URL[@LABEL]``: the label is what follows the last ``@`` when it holds no ``/``
+    or ``:`` (a URL may carry ``user@host``)."""
+    from urllib.parse import urlsplit
+
+    rest = head[len("openai:"):]
+    url, sep, label = rest.rpartition("@")
+    if not sep or "/" in label or ":" in label:
+        url, label = rest, ""
+    if more:
+        raise ValueError(f"method {head!r}: openai:URL[@LABEL] takes no KEY=VALUE options")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"method {head!r}: expected openai:http://HOST:PORT[@LABEL], got URL {url!r}")
+    return MethodSpec("openai", label or parts.netloc, url.rstrip("/"))
 
 
 def _parse_options(pairs: list[str], head: str) -> dict[str, Any]:
@@ -317,6 +348,55 @@ class LlamaCppRunner:
         return TurnResult(out, total, (first or t0 + total) - t0, reason)
 
 
+class OpenAIRunner:
+    """A running OpenAI-compatible server, one streamed ``/v1/completions`` request per turn
+    (see the module doc)."""
+
+    def __init__(self, url: str, tokenizer: Any, timeout_s: float = 3600.0) -> None:
+        import os
+
+        import openai
+
+        self.client = openai.OpenAI(base_url=url + "/v1", api_key=os.environ.get("OPENAI_API_KEY") or "none",
+                                    max_retries=0, timeout=timeout_s)
+        self.tokenizer = tokenizer
+        try:
+            models = self.client.models.list().data
+        except openai.APIError as e:
+            raise ValueError(f"no OpenAI-compatible server answered at {url}: {e}") from None
+        if not models:
+            raise ValueError(f"the server at {url} lists no model")
+        self.model = models[0].id
+        eos = getattr(tokenizer.hf, "eos_token_id", None)
+        self.eos = eos if eos is not None else min(tokenizer.eos_token_ids, default=None)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> TurnResult:
+        # Greedy at T = 0; otherwise pure sampling at T (top_k / min_p off: llama-server turns
+        # them on by default; vLLM and verispec accept both fields).
+        sampling: dict[str, Any] = {"temperature": params.temperature}
+        if not params.greedy:
+            sampling.update(top_p=1.0, extra_body={"top_k": 0, "min_p": 0.0})
+        if params.seed is not None:
+            sampling["seed"] = params.seed
+        pieces: list[str] = []
+        first = None
+        finish = None
+        t0 = time.perf_counter()
+        stream = self.client.completions.create(model=self.model, prompt=prompt_ids, max_tokens=params.max_tokens,
+                                                stream=True, **sampling)
+        for chunk in stream:
+            for choice in chunk.choices:
+                if choice.text:
+                    first = first or time.perf_counter()
+                    pieces.append(choice.text)
+                finish = choice.finish_reason or finish
+        total = time.perf_counter() - t0
+        ids = self.tokenizer.encode("".join(pieces), add_special_tokens=False)
+        if finish == "stop" and self.eos is not None and len(ids) < params.max_tokens:
+            ids.append(int(self.eos))
+        return TurnResult(ids, total, (first or t0 + total) - t0, finish)
+
+
 # ---------------------------------------------------------------------------------------------
 # building
 # ---------------------------------------------------------------------------------------------
@@ -357,6 +437,8 @@ class Builder:
     _hf: dict[str, Any] = field(default_factory=dict, init=False)  # name ("" = target) -> transformers model
 
     def build(self, spec: MethodSpec) -> Runner:
+        if spec.backend == "openai":
+            return OpenAIRunner(spec.arg, self.target.tokenizer)
         return {"verispec": self._verispec, "hf": self._hf_runner, "llamacpp": self._llamacpp}[spec.backend](spec)
 
     def _verispec(self, spec: MethodSpec) -> Runner:

@@ -365,9 +365,9 @@ def render_markdown(report: dict) -> str:
                 f"{_f(f['decode_speedup'])}x | {_f(f['mean_acceptance_length'])} | {_f(f['acceptance_rate'])} | "
                 f"{pos} | {share} | {_f(f['c'], '.3f')} | {_f(f['alpha'], '.3f')} | {_identical(f)} |")
     if any(m["backend"] != "verispec" for m in report["methods"]):
-        lines += ["", "transformers and llama.cpp compute with other kernels than verispec, so at T = 0 their "
-                  "answers may part from verispec plain's after a near tie in the logits; the identity column "
-                  "reports it as measured."]
+        lines += ["", "transformers, llama.cpp and other servers compute with other kernels than verispec, so at "
+                  "T = 0 their answers may part from verispec plain's after a near tie in the logits; the identity "
+                  "column reports it as measured (an openai:* server's answer is compared as its text re-tokenized)."]
     for a in report["goals"].get("adaptive_vs_fixed", []):
         lines += ["", f"## Adaptive against fixed k: {a['family']}", "",
                   f"{a['adaptive']} against the best of {', '.join(a['fixed'])} in each category (end to end "
