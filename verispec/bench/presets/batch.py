@@ -34,9 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=2, help="passes over the batch sizes (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", help="(default: %(default)s)")
-    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
-                   help="pack the target's linear layers (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help="(default: %(default)s: float32 activations on the native kernels)")
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
+                   help="the target's linear layers (auto: a GGUF file's own weights on the native kernels; default: %(default)s)")
     args = p.parse_args(argv)
     args.sizes = [int(b) for b in args.batch_sizes.split(",")]
     if min(args.sizes) < 1 or args.max_tokens < 2 or args.repeats < 1:

@@ -54,9 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--questions", type=Path, default=None,
                    help="Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH or ../shared/data/spec_bench/)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", help="(default: %(default)s)")
-    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
-                   help="pack the target's linear layers; the draft's: the config's 'quantization' (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help="(default: %(default)s: float32 activations on the native kernels)")
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
+                   help="the target's linear layers (auto: a GGUF file's own weights on the native kernels); the draft's: the config's 'quantization' (default: %(default)s)")
     p.add_argument("--out", type=Path, help="also write the JSON result to this file")
     return p.parse_args(argv)
 

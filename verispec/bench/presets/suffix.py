@@ -235,8 +235,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lookahead", default="2,3,2", metavar="W,N,G", help="lookahead window, n-gram and guess sizes")
     p.add_argument("--methods", default=",".join(METHODS), help="subset of %(default)s; plain is always run")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
-    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
-                   help="pack the target's and the draft's linear layers alike (default: %(default)s)")
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
+                   help="the target's and the draft's linear layers alike (auto: a GGUF file's own weights on the native kernels; default: %(default)s)")
     p.add_argument("--out", type=Path, help="also write the JSON result to this file")
     args = p.parse_args(argv)
     if not 1 <= args.num_prompts <= len(CODE_BODIES):

@@ -51,8 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=3, help="tree depth (default: %(default)s)")
     p.add_argument("--topk", type=int, default=2, help="tree branching (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
-                   help="pack the target's and the draft's linear layers alike (default: %(default)s)")
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
+                   help="the target's and the draft's linear layers alike (auto: a GGUF file's own weights on the native kernels; default: %(default)s)")
     p.add_argument("--out", type=Path, help="also write the JSON result here")
     args = p.parse_args(argv)
     args.temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     load = machine_load(args.threads)
     from verispec.models.loader import load_model
 
-    target = load_model(args.target, dtype=torch.bfloat16, quantization=args.quantization)
+    target = load_model(args.target, quantization=args.quantization)
     questions = select_questions(args.questions, args.num_questions)
     prompts = [target.tokenizer.apply_chat_template(q["turns"][0]) for q in questions]
     max_len = max(len(p) for p in prompts) + args.max_tokens + args.budget + 2
