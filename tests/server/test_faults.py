@@ -127,67 +127,41 @@ def check_isolated(live) -> None:
     assert all(internal_error(results[p]) for p in POISONED), [results[p] for p in POISONED]
 
 
-def test_a_drafter_failure_ends_only_its_request(live):
-    engine = live.runner.engine
-    propose = engine.drafter.propose
-
-    def failing(seq, k):
-        if poisoned(engine, seq):
-            raise Injected("drafter broke")
-        return propose(seq, k)
-
-    engine.drafter.propose = failing
-    check_isolated(live)
-    engine.drafter.propose = propose
-    assert live.runner.metrics.aborted.labels(reason="error")._value.get() == len(POISONED)
-    assert_clean(live)
+def drafter_propose(engine):
+    return engine.drafter, "propose", lambda seq, k: poisoned(engine, seq)
 
 
-def test_a_sampling_failure_ends_only_its_request(live):
-    engine = live.runner.engine
-    verify_logits = engine._verify_logits
-
-    def failing(seq, proposal, logits):
-        if poisoned(engine, seq) and seq.output_ids:  # in a step, not at prefill
-            raise Injected("sampling broke")
-        return verify_logits(seq, proposal, logits)
-
-    engine._verify_logits = failing
-    check_isolated(live)
-    del engine._verify_logits
-    assert_clean(live)
+def sampling(engine):  # at a step's verification, not at the prefill's first token
+    return engine, "_verify_logits", lambda seq, proposal, logits: poisoned(engine, seq) and bool(seq.output_ids)
 
 
-def test_an_add_request_failure_ends_only_its_request(live):
-    engine = live.runner.engine
-    add_request = engine.add_request
-
-    def failing(prompt_ids, params, k=None):
-        if engine.target.tokenizer.hf.decode(prompt_ids).startswith("poison"):
-            raise Injected("admission broke")
-        return add_request(prompt_ids, params, k)
-
-    engine.add_request = failing
-    check_isolated(live)
-    del engine.add_request
-    assert_clean(live)
+def add_request(engine):
+    return engine, "add_request", lambda ids, *args: engine.target.tokenizer.hf.decode(ids).startswith("poison")
 
 
-def test_a_forward_failure_of_one_sequence_fails_only_that_sequence(live):
+def forward_pass(engine):
     """The shared verify pass raises whenever a poisoned sequence is in it: the batch is retried
     without drafts, then each sequence alone, and only the poisoned ones fail."""
-    engine = live.runner.engine
-    model = engine.model
-    forward = model.forward
+    return engine.model, "forward", lambda *args, slots=None, prefill=False, **kwargs: (
+        not prefill and slots is not None and poisoned_slots(engine, slots))
 
-    def failing(ids, positions, cache, *args, slots=None, prefill=False, **kwargs):
-        if not prefill and slots is not None and poisoned_slots(engine, slots):
-            raise Injected("forward broke")
-        return forward(ids, positions, cache, *args, slots=slots, prefill=prefill, **kwargs)
 
-    model.forward = failing
-    check_isolated(live)
-    del model.forward
+@pytest.mark.parametrize("fault", [drafter_propose, sampling, add_request, forward_pass])
+def test_a_failure_of_one_request_ends_only_that_request(live, fault):
+    owner, name, fails = fault(live.runner.engine)
+    original = getattr(owner, name)
+
+    def failing(*args, **kwargs):
+        if fails(*args, **kwargs):
+            raise Injected(f"{name} broke")
+        return original(*args, **kwargs)
+
+    setattr(owner, name, failing)  # an instance attribute over the method
+    try:
+        check_isolated(live)
+    finally:
+        delattr(owner, name)
+    assert live.runner.metrics.aborted.labels(reason="error")._value.get() == len(POISONED)
     assert_clean(live)
 
 
