@@ -386,7 +386,7 @@ class Engine:
             except Exception as e:
                 log.warning("verify pass of slot %d failed (%s: %s); retrying without speculation",
                             seq.slot, type(e).__name__, e)
-                self.cache.truncate(seq.slot, start)
+                self._roll_back([seq], [start])
                 verified[i] = _as_plain(self._verify_chains([seq], [EMPTY_PROPOSAL]))[0]
             seconds[i] = time.perf_counter() - t0
         for i, (seq, s) in enumerate(zip(batch, seconds)):

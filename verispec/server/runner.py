@@ -104,13 +104,18 @@ class Request:
         return None if self.timeout_s is None else self.arrival + self.timeout_s
 
 
-# Final events of requests the engine thread ends without completing them.
+# Final events of requests the engine thread ends without completing them: status, message.
 _ABORTS = {
     "cancelled": (499, "cancelled"),
     "slow_reader": (499, "cancelled: the client read the stream too slowly"),
     "timeout": (504, "the request timed out"),
     "shutdown": (503, "the server shut down"),
 }
+
+
+def _abort(why: str) -> Event:
+    status, message = _ABORTS[why]
+    return Event(error=message, status=status, reason=why)
 
 
 class EngineRunner:
@@ -238,21 +243,19 @@ class EngineRunner:
         now = time.monotonic()
         with self._cond:
             expired = self._stopping and now >= (self._deadline or 0.0)
-            gone = [(r, self._why_ended(r, now) or "shutdown") for r in self._waiting
-                    if self._stopping or self._why_ended(r, now)]
-            for r, _ in gone:
-                self._waiting.remove(r)
+            gone = []
+            for r in list(self._waiting):
+                why = self._why_ended(r, now) or ("shutdown" if self._stopping else None)
+                if why is not None:
+                    self._waiting.remove(r)
+                    gone.append((r, why))
         for r, why in gone:
-            status, message = _ABORTS[why]
-            if why == "shutdown":
-                message = "the server is shutting down"
-            self._end(r, Event(error=message, status=status, reason=why))
+            self._end(r, _abort(why))
         for seq, r in list(self._running.items()):
             why = self._why_ended(r, now) or ("shutdown" if expired else None)
             if why is not None:
                 self.engine.abort(seq)
-                status, message = _ABORTS[why]
-                self._finish(seq, r, Event(error=message, status=status, reason=why))
+                self._finish(seq, r, _abort(why))
         self._update_gauges()
 
     @staticmethod
