@@ -11,14 +11,14 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring.
 
 .PHONY: setup demo test test-long test-fast bench-decode bench-spec bench-report bench-adaptive bench-suffix \
-	bench-tree bench-batch bench-server bench-kernels clean
+	bench-tree bench-batch bench-server bench-scale bench-kernels clean
 
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e ".[test,server,bench]"
+	$(PY) -m pip install --quiet -e ".[test,server,bench,ray]"
 	$(PY) -c "import verispec.kernels as k; k.available()"  # build the native CPU kernels once
 	touch $@
 
@@ -77,6 +77,10 @@ bench-batch: setup
 bench-server: setup
 	$(VENV)/bin/verispec bench server --quantization int4 --speculative-config \
 		'{"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4, "quantization": "int4"}'
+
+# One server against Ray Serve with 1 and with 2 replicas on the same cores (docs/scaling.md).
+bench-scale: setup
+	$(VENV)/bin/verispec bench scale
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -15,6 +15,7 @@ MODEL is a bundled name (``verispec models list``), a local Hugging Face directo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -275,7 +276,23 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "process (default: stay up, answer 503 and report it on /health)")
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     s.add_argument("--dtype", default="auto", help="auto, bfloat16, float32 or float16 (default auto)")
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; with --replicas, per replica: "
+                   "--replica-cpus)")
+    scale = s.add_argument_group("scaling out on Ray Serve (needs verispec[ray]; docs/scaling.md)")
+    scale.add_argument("--replicas", type=int, default=None,
+                       help="run N engine replicas behind one endpoint on Ray Serve (a local Ray "
+                       "instance unless --ray-address)")
+    scale.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (default 1)")
+    scale.add_argument("--max-replicas", type=int, default=None,
+                       help="autoscaling: most replicas; turns autoscaling on")
+    scale.add_argument("--target-ongoing-requests", type=float, default=4.0,
+                       help="autoscaling: requests per replica it aims for (default 4)")
+    scale.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs each replica reserves (default 1)")
+    scale.add_argument("--replica-gpus", type=float, default=None,
+                       help="GPUs each replica reserves (default: 1 with a cuda --device, else 0)")
+    scale.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster (e.g. auto, or ray://HEAD:10001) instead of starting one")
     _add_speculative_flags(s)
 
 
@@ -310,6 +327,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.request_timeout < 0:
         raise ValueError("--request-timeout must be >= 0 (0: no limit)")
     api_key = api_key_from_args(args)
+    if args.replicas is not None or args.max_replicas is not None or args.ray_address is not None:
+        return _serve_replicated(args, spec, api_key)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     serve(args.model, spec, host=args.host, port=args.port, api_key=api_key,
@@ -317,6 +336,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
           served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
           max_model_len=args.max_model_len, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
           request_timeout_s=args.request_timeout or None, exit_on_fatal=args.exit_on_fatal)
+    return 0
+
+
+def _serve_replicated(args: argparse.Namespace, spec: SpeculativeConfig | None, api_key: str | None) -> int:
+    """``verispec serve --replicas``: the same server as N replicas on Ray Serve."""
+    if args.exit_on_fatal:
+        raise ValueError("--exit-on-fatal is for a single server: with --replicas, Serve replaces a "
+                         "replica whose engine died")
+    try:
+        from verispec.server import ray_serve
+    except ImportError as e:
+        raise ValueError(f"--replicas needs Ray Serve, which is not installed ({e}): "
+                         "pip install 'verispec[ray]'") from None
+    from pydantic import ValidationError
+
+    from verispec.models.registry import resolve_model
+    from verispec.server.serve import warn_if_exposed
+
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError("--replicas must be >= 1")
+
+    gpus = args.replica_gpus if args.replica_gpus is not None else float(args.device.startswith("cuda"))
+    try:
+        config = ray_serve.ScaleOutConfig(
+            model=args.model, speculative_config=None if spec is None else dataclasses.asdict(spec),
+            served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
+            threads=args.threads, request_timeout_s=args.request_timeout or None,
+            max_request_bytes=args.max_request_bytes, api_key=api_key,
+            num_replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+            target_ongoing_requests=args.target_ongoing_requests, num_cpus=args.replica_cpus, num_gpus=gpus)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"invalid scale-out settings: {problems}") from None
+    if args.ray_address is None:  # local replicas: fetch a bundled model once, before they start
+        resolve_model(args.model)
+    warn_if_exposed(args.host, api_key)
+    ray_serve.run(config, host=args.host, port=args.port, ray_address=args.ray_address)
     return 0
 
 

@@ -39,6 +39,8 @@ PRESETS: dict[str, Preset] = {
                     "batched plain decode steps, no prefill, per batch size (docs/benchmarks/server.md)"),
     "server": Preset("verispec.bench.presets.server:main",
                      "load test of verispec serve, speculation on against off (docs/benchmarks/server.md)"),
+    "scale": Preset("verispec.bench.presets.scale:main",
+                    "throughput with 1 and 2 Ray Serve replicas against one server (docs/scaling.md)"),
     "kernels": Preset("verispec.bench.presets.kernels:main",
                       "native kernels: verify pass against decode step, per shape and model (docs/kernels.md)"),
     "decode": Preset("verispec.bench.presets.decode:main",
