@@ -4,6 +4,7 @@
     verispec plan --acceptance P --alpha A [--draft-cost C] [--measure MODEL [--draft MODEL]]
     verispec serve MODEL [speculative flags] [--host H] [--port P] [--api-key-file PATH] ...
     verispec models list | fetch NAME
+    verispec train-drafter --target MODEL --method medusa --data FILE --out DIR [--resume]
     verispec bench --model MODEL --methods plain,ngram,... [--questions spec-bench|code-edit|FILE]
     verispec bench PRESET [options]      (verispec bench --help lists the presets)
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from verispec.bench import cli as bench_cli
 from verispec.bench.presets import PRESETS, run_preset
-from verispec.config import MAX_REQUEST_BYTES, SamplingParams, SpeculativeConfig
+from verispec.config import MAX_REQUEST_BYTES, SamplingParams, SpeculativeConfig, TrainSettings
 
 DEFAULT_DEMO_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
@@ -377,6 +378,55 @@ def _serve_replicated(args: argparse.Namespace, spec: SpeculativeConfig | None, 
     return 0
 
 
+def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
+    d = TrainSettings()
+    t = sub.add_parser(
+        "train-drafter",
+        help="train speculative heads (Medusa) on a target's own answers and features",
+        description="Train Medusa heads for a target (the target frozen). --data is JSONL of "
+        '{"prompt": ...}, {"messages": [...]} (answered by the target itself) or {"text": ...}, or a '
+        "plain text or code file. Rows and features are cached in --out; checkpoints go there "
+        "every --save-every steps, and the heads in the FasterDecoding layout, for "
+        '--speculative-config \'{"method": "medusa", "model": OUT}\'. Held-out acceptance is printed '
+        "every --eval-every steps.",
+    )
+    t.add_argument("--target", required=True, help="bundled model name, HF model directory or .gguf file")
+    t.add_argument("--method", required=True, choices=("medusa", "eagle"), help="the kind of heads")
+    t.add_argument("--data", required=True, type=Path, help="training data (see above)")
+    t.add_argument("--out", required=True, type=Path, help="directory for caches, checkpoints and the heads")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    for name, help_text in (("num_heads", "heads, each one token further ahead"),
+                            ("num_layers", "ResBlocks per head"), ("steps", "optimizer steps"),
+                            ("batch_size", "rows per step"), ("seq_len", "tokens per row"),
+                            ("max_new_tokens", "tokens of the target's answer per prompt"),
+                            ("eval_every", "steps between held-out reports"),
+                            ("save_every", "steps between checkpoints"), ("seed", "random seed")):
+        t.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
+                       help=f"{help_text} (default {getattr(d, name)})")
+    t.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr})")
+    t.add_argument("--held-out", type=float, default=d.held_out,
+                   help=f"fraction of rows never trained on, for the acceptance reports (default {d.held_out})")
+    t.add_argument("--own-lm-heads", action="store_true",
+                   help="give each head its own LM head (vocab x hidden each) instead of the target's")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the physical cores)")
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from verispec.runtime import set_threads
+    from verispec.speculative.train_drafter import run
+
+    settings = TrainSettings(num_heads=args.num_heads, num_layers=args.num_layers, steps=args.steps,
+                             batch_size=args.batch_size, lr=args.lr, seq_len=args.seq_len,
+                             max_new_tokens=args.max_new_tokens, held_out=args.held_out,
+                             eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
+                             own_lm_heads=args.own_lm_heads)
+    set_threads(args.threads)
+    reports = run(args.target, args.method, args.data, args.out, settings, resume=args.resume)
+    print(f"heads written to {args.out}; held-out mean acceptance length {reports[0].mean_acceptance_length:.2f} "
+          f"untrained -> {reports[-1].mean_acceptance_length:.2f} at step {reports[-1].step}")
+    return 0
+
+
 def _add_models(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser("models", help="list or fetch the bundled models")
     msub = m.add_subparsers(dest="models_cmd", required=True)
@@ -406,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_serve(sub)
     _add_models(sub)
+    _add_train_drafter(sub)
     bench_cli.add_parser(sub)
     return parser
 
@@ -420,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = build_parser().parse_args(argv)
         handlers = {"generate": cmd_generate, "serve": cmd_serve, "plan": cmd_plan, "models": cmd_models,
-                    "bench": bench_cli.cmd_bench}
+                    "bench": bench_cli.cmd_bench, "train-drafter": cmd_train_drafter}
         handler = handlers[args.command]
     try:
         return handler(args)

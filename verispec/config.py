@@ -222,3 +222,32 @@ class SpeculativeConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
         return cls.from_dict(data)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """``verispec train-drafter``'s settings (see :mod:`verispec.speculative.train_drafter`)."""
+
+    num_heads: int = 4
+    num_layers: int = 1
+    steps: int = 1000
+    batch_size: int = 8  # rows per step
+    lr: float = 1e-3
+    seq_len: int = 512  # tokens per row (text windows; prompts and answers are cut there)
+    max_new_tokens: int = 256  # the target's answer per prompt
+    held_out: float = 0.1
+    eval_every: int = 100
+    save_every: int = 200
+    seed: int = 0
+    own_lm_heads: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "steps", "batch_size", "seq_len", "max_new_tokens", "eval_every", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if not 0 < self.held_out < 1:
+            raise ValueError(f"held_out must be a fraction in (0, 1), got {self.held_out}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")

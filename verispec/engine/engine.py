@@ -107,6 +107,7 @@ class Verified:
     path: tuple[int, ...] | None = None  # tree proposals: accepted nodes (root = node 0 excluded)
     aux_logits: torch.Tensor | None = None  # [m, V] logits of the proposal's aux branch
     proposal: Proposal | None = None  # what was verified, when not the drafter's proposal (a retry)
+    features: torch.Tensor | None = None  # [n+1, F] the pass's rows (tree: its nodes), for the drafter
 
 
 class Engine:
@@ -144,6 +145,9 @@ class Engine:
         if drafter is None and speculative is not None:
             drafter = build_drafter(speculative, DrafterContext(target, self.max_model_len, max_num_seqs))
         self.drafter = drafter
+        # Target hidden-state layers the drafter reads (Medusa, EAGLE), in the decoder's
+        # numbering: 0 = embeddings, i = after layer i, -1 = the final normed state.
+        self.hidden_layers: tuple[int, ...] | None = getattr(drafter, "hidden_layers", None)
         self.controller = controller or build_controller(speculative)
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
         self.running: list[Sequence] = []
@@ -315,7 +319,9 @@ class Engine:
         self.cache.reset(seq.slot)
         ids = torch.tensor([prompt_ids], device=self.model.device)  # [1, P]
         positions = torch.arange(len(prompt_ids), device=self.model.device)[None]  # [1, P]
-        logits = self.model(ids, positions, self.cache, slots=[seq.slot], num_logits=1, prefill=True)  # [1, 1, V]
+        logits, features = self._run(ids, positions, [seq.slot], num_logits=1, prefill=True)  # [1, 1, V]
+        if features is not None:
+            seq.target_hidden = features[0]  # [P, F]
         result = self._verify_logits(seq, EMPTY_PROPOSAL, logits)
         seq.append(result.committed(0))
         if self.drafter is not None and not seq.finished:
@@ -424,7 +430,16 @@ class Engine:
         for seq, start in zip(batch, starts):
             self.cache.truncate(seq.slot, start)
 
-    def _forward_chains(self, batch: list[Sequence], proposals: list[Proposal], starts: list[int]) -> torch.Tensor:
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], **kwargs
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A target pass: its logits, and the features the drafter reads ([B, T, F], or None)."""
+        if self.hidden_layers is None:
+            return self.model(ids, positions, self.cache, slots=slots, **kwargs), None
+        out = self.model(ids, positions, self.cache, slots=slots, output_hidden_states=True, **kwargs)
+        return out.logits, torch.cat([out.hidden_states[i] for i in self.hidden_layers], dim=-1)
+
+    def _forward_chains(self, batch: list[Sequence], proposals: list[Proposal], starts: list[int]
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         width = 1 + max(len(p) for p in proposals)  # T
         # Padding repeats the row's last token; the causal mask hides it from the real tokens.
         rows = [[seq.output_ids[-1], *p.tokens] + [seq.output_ids[-1]] * (width - 1 - len(p))
@@ -433,20 +448,23 @@ class Engine:
         ids = torch.tensor(rows, device=device)  # [B, T]
         positions = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)  # [B, T]
         t0 = time.perf_counter()
-        logits = self.model(ids, positions, self.cache, slots=[seq.slot for seq in batch])  # [B, T, V]
+        logits, features = self._run(ids, positions, [seq.slot for seq in batch])  # [B, T, V], [B, T, F]
         elapsed = time.perf_counter() - t0
         self.costs.record_forward(len(batch) * width, elapsed)
         if len(batch) == 1:
             batch[0].metrics.record_target(width, elapsed)  # single-sequence cost model (c, alpha)
-        return logits
+        return logits, features
 
     def _verify_rows(self, batch: list[Sequence], proposals: list[Proposal], starts: list[int],
-                     logits: torch.Tensor) -> list[Verified | None]:
+                     forward: tuple[torch.Tensor, torch.Tensor | None]) -> list[Verified | None]:
+        logits, features = forward
         verified: list[Verified | None] = []
         for b, (seq, proposal) in enumerate(zip(batch, proposals)):
             row_logits = logits[b : b + 1, : len(proposal) + 1]  # [1, n+1, V]
+            row_features = None if features is None else features[b, : len(proposal) + 1]  # [n+1, F]
             try:
-                verified.append(Verified(self._verify_logits(seq, proposal, row_logits), starts[b]))
+                verified.append(Verified(self._verify_logits(seq, proposal, row_logits), starts[b],
+                                         features=row_features))
             except Exception as e:
                 self._fail(seq, "verifying and sampling", e)
                 verified.append(None)
@@ -468,11 +486,12 @@ class Engine:
         ids = torch.tensor([tokens], device=device)  # [1, n+1+m]
         positions = start + torch.tensor([offsets], device=device)  # [1, n+1+m]
         t0 = time.perf_counter()
-        logits = self.model(ids, positions, self.cache, mask, slots=[seq.slot])  # [1, n+1+m, V]
+        logits, features = self._run(ids, positions, [seq.slot], attn_mask=mask)  # [1, n+1+m, V]
         seq.metrics.record_target(ids.shape[1], time.perf_counter() - t0)
         n1 = len(segment)
         aux_logits = None if aux is None else logits[0, n1:]  # [m, V]
-        return Verified(self._verify_logits(seq, proposal, logits[:, :n1]), start, aux_logits=aux_logits)
+        return Verified(self._verify_logits(seq, proposal, logits[:, :n1]), start, aux_logits=aux_logits,
+                        features=None if features is None else features[0, :n1])
 
     def _aux_mask(self, start: int, n1: int, aux: AuxBranch) -> torch.Tensor:
         """Attention mask [1, n1+m, start+n1+m] for the verify segment followed by an aux branch.
@@ -512,8 +531,8 @@ class Engine:
         layout = tree_layout(tree, start, self.model.device)
         ids = torch.tensor([[seq.output_ids[-1], *proposal.tokens]], device=self.model.device)  # [1, N]
         t0 = time.perf_counter()
-        logits = self.model(ids, layout.positions[None], self.cache, attn_mask=layout.mask[None],
-                            slots=[seq.slot])[0]  # [N, V]
+        logits, features = self._run(ids, layout.positions[None], [seq.slot], attn_mask=layout.mask[None])
+        logits = logits[0]  # [N, V]
         seq.metrics.record_target(len(tree), time.perf_counter() - t0)
         p = seq.params
         if p.greedy:
@@ -524,7 +543,7 @@ class Engine:
                                             proposal.children, seq.generator)
         seq.metrics.record_tree(len(proposal), result.num_accepted)
         as_chain = VerifyResult(torch.tensor([result.num_accepted]), torch.tensor([result.tokens]))
-        return Verified(as_chain, start, result.path)
+        return Verified(as_chain, start, result.path, features=None if features is None else features[0])
 
     def _accept(self, seq: Sequence, proposal: Proposal, verified: Verified) -> tuple[Outcome, str]:
         committed, text = seq.append(verified.result.committed(0))
@@ -535,11 +554,14 @@ class Engine:
     def _commit(self, seq: Sequence, verified: Verified, outcome: Outcome) -> None:
         # The pass wrote t, d_1..d_n; keep t and the accepted drafts (the last committed token's
         # K/V is written next round). A tree keeps its root and accepted path, compacted.
+        keep = list(range(len(outcome.committed))) if verified.path is None else [0, *verified.path][
+            : len(outcome.committed)]  # the pass's rows (tree nodes) of the committed tokens' inputs
         if verified.path is None:
             self.cache.truncate(seq.slot, verified.cache_start + len(outcome.committed))
         else:
-            keep = [0, *verified.path][: len(outcome.committed)]
             self.cache.keep(seq.slot, verified.cache_start, keep)
+        if verified.features is not None:
+            seq.target_hidden = verified.features[keep]  # [len(committed), F]
         self.costs.record_acceptance(outcome.num_accepted)
         if self.drafter is not None and not seq.finished:
             self.drafter.feedback(seq, outcome)

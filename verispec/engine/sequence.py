@@ -30,6 +30,12 @@ class Sequence:
     finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" | "abort" | "error"
     error: str | None = None  # what failed, when finish_reason is "error"
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    # The target's features (the hidden-state layers a drafter declares in ``hidden_layers``,
+    # concatenated) at the input rows of the last pass, one row per token committed by it:
+    # row i is the input whose logits gave the i-th committed token. After prefill, every
+    # prompt position (the last one gave the first output token). None when the drafter reads
+    # no hidden states. [n, F]
+    target_hidden: torch.Tensor | None = None
     stop_checker: StopChecker = field(init=False)
 
     def __post_init__(self) -> None:

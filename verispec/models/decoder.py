@@ -520,13 +520,17 @@ class Decoder(nn.Module):
             hidden.append(x)
         if num_logits is not None:
             x = x[:, -num_logits:]
+        logits = self.logits(x)
+        return DecoderOutput(logits, hidden) if output_hidden_states else logits
+
+    def logits(self, x: Tensor) -> Tensor:
+        """The LM head on final (normed) hidden states ``[..., hidden]``: float32 ``[..., vocab]``.
+        Speculative heads that share the target's head (Medusa) call it too."""
         head = self.lm_head  # None: tied to the embedding table; else nn.Linear or a quantized layer
         if head is None or isinstance(head, nn.Linear):
             weight, bias = (self.embed.weight, None) if head is None else (head.weight, head.bias)
-            logits = invariant_linear(x, weight, bias).float()
-        else:
-            logits = head(x).float()
-        return DecoderOutput(logits, hidden) if output_hidden_states else logits
+            return invariant_linear(x, weight, bias).float()
+        return head(x).float()
 
     def _mask(
         self, starts: list[int], t: int, attend_len: int, attn_mask: Tensor | None, device: torch.device

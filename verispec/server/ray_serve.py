@@ -49,7 +49,7 @@ import random
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -73,6 +73,7 @@ APP_NAME = "verispec"
 REPORT_INTERVAL_S = 1.0  # how often a replica sends its metrics to the ingress's directory
 REPORT_MAX_AGE_S = 10.0  # a replica silent for longer (gone) leaves /metrics
 _SSE = "text/event-stream"
+SERVE_NAMESPACE = "serve"  # where Serve runs its actors; the metrics directory lives there too
 
 
 class ScaleOutConfig(BaseModel):
@@ -160,7 +161,7 @@ class Start:
     status: int
     headers: list[tuple[bytes, bytes]]
     replica: str = ""
-    stream: bool = field(default=False)
+    stream: bool = False
 
 
 def affinity_key(body: bytes, prefix_chars: int) -> str | None:
@@ -360,7 +361,7 @@ class EngineReplica:
         while not self._stopping.wait(REPORT_INTERVAL_S):
             try:
                 if directory is None:
-                    directory = ray.get_actor(self.directory_name, namespace=serve_namespace())
+                    directory = ray.get_actor(self.directory_name, namespace=SERVE_NAMESPACE)
                 text = generate_latest(self.runner.metrics.registry).decode()
                 directory.report.remote(self.replica, actor_name, text)
             except Exception:  # no ingress yet, or it restarted: look the directory up again
@@ -374,10 +375,6 @@ class EngineReplica:
         self.runner.stop()
 
 
-def serve_namespace() -> str:
-    return "serve"
-
-
 # ---- the ingress ---------------------------------------------------------------------------------
 
 class Ingress:
@@ -388,7 +385,7 @@ class Ingress:
         self.config = config
         self.api_key = config.api_key or os.environ.get("VERISPEC_API_KEY") or None
         self.directory = MetricsDirectory.options(
-            name=_directory_name(serve.get_replica_context().app_name), namespace=serve_namespace(),
+            name=_directory_name(serve.get_replica_context().app_name), namespace=SERVE_NAMESPACE,
             get_if_exists=True).remote()
         self.registry = CollectorRegistry()
         self.retried = Counter(PREFIX + "ingress_retried", "Requests retried on another replica after "

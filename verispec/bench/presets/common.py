@@ -6,7 +6,9 @@ side-by-side tables (suffix, tree, batch, server) use these few pieces.
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +84,14 @@ def run_one(engine: Any, prompt_ids: list[int], max_tokens: int) -> dict:
         "decode_tokens": max(len(seq.output_ids) - 1, 0),
         "finish_reason": seq.finish_reason,
     }
+
+
+def emit_report(report: dict, print_table: Callable[[dict], None], out: Path | None) -> int:
+    """A preset's ending: its Markdown table, then the report as one JSON line (also written to
+    ``out`` when given). Returns the exit code 0."""
+    print_table(report)
+    line = json.dumps(report)
+    print(line)
+    if out:
+        out.write_text(line + "\n")
+    return 0

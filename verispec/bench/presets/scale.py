@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from verispec.bench.machine import cpu_model, log, machine_load
-from verispec.bench.presets.common import chat_questions, spec_bench_path
+from verispec.bench.presets.common import chat_questions, emit_report, spec_bench_path
 from verispec.bench.presets.server import run_level
 
 ENDPOINTS = ("single", "ray-1", "ray-2")
@@ -114,13 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         from ray import serve
 
         serve.shutdown()
-    report = summarise(args, runs, load)
-    print_table(report)
-    line = json.dumps(report)
-    print(line)
-    if args.out:
-        args.out.write_text(line + "\n")
-    return 0
+    return emit_report(summarise(args, runs, load), print_table, args.out)
 
 
 def summarise(args: argparse.Namespace, runs: dict[str, list[dict]], load: float) -> dict:

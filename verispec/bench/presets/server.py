@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from verispec.bench.machine import log, machine_load
-from verispec.bench.presets.common import chat_questions, spec_bench_path
+from verispec.bench.presets.common import chat_questions, emit_report, spec_bench_path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -148,13 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in order:
                 log(f"concurrency {c}: {len(questions)} requests to the {name} server")
                 results[name][c] = asyncio.run(run_level(servers[name].url, questions, c, args.max_tokens))
-    report = summarise(args, levels, results, load)
-    print_table(report)
-    line = json.dumps(report)
-    print(line)
-    if args.out:
-        args.out.write_text(line + "\n")
-    return 0
+    return emit_report(summarise(args, levels, results, load), print_table, args.out)
 
 
 def summarise(args: argparse.Namespace, levels: list[int], results: dict, load: float) -> dict:

@@ -1,0 +1,262 @@
+"""Medusa heads: the FasterDecoding checkpoint layout, proposals, training, and losslessness
+(greedy identity and the sampled distribution, as chain and tree)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import verispec.speculative.verify as verify_module
+from distribution import PROMPT, SETTINGS, VOCAB, exact_joint, goodness_of_fit, passes, sample_counts
+from tiny import loaded, tiny_model, torch_threads
+from verispec.config import SamplingParams, SpeculativeConfig
+from verispec.engine.engine import Engine
+from verispec.speculative.base import DrafterContext, build_drafter
+from verispec.speculative.medusa import (MedusaDrafter, MedusaHeads, load_medusa, medusa_loss, save_medusa,
+                                         target_features)
+from verispec.speculative.tree import Tree
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    with torch_threads(1):  # tiny models run fastest on one thread
+        yield
+
+
+def sampled_rows(decoder, n: int, length: int, seed: int, greedy: bool = False) -> torch.Tensor:
+    """``n`` sequences from ``decoder`` after random two-token prompts: sampled at T = 1, or
+    greedy (the target's own answers, what self-distillation trains on)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = decoder.config.vocab_size
+    rows = torch.randint(vocab, (n, 2), generator=gen)
+    cache = decoder.new_cache(length, num_slots=n)
+    logits = decoder(rows, torch.arange(2).expand(n, -1), cache, num_logits=1)
+    while rows.shape[1] < length:
+        if greedy:
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+        else:
+            nxt = torch.multinomial(torch.softmax(logits[:, -1].float(), -1), 1, generator=gen)
+        rows = torch.cat([rows, nxt], dim=1)
+        logits = decoder(nxt, torch.full((n, 1), rows.shape[1] - 1), cache)
+    return rows
+
+
+def trained_heads(decoder, num_heads: int = 3, steps: int = 150, seed: int = 0) -> MedusaHeads:
+    """Heads trained briefly on the target's own samples (Medusa-1 self-distillation)."""
+    torch.manual_seed(seed)
+    cfg = decoder.config
+    heads = MedusaHeads(cfg.hidden_size, cfg.vocab_size, num_heads, 1)
+    heads.init_from_target(decoder.lm_head.weight.float())
+    rows = sampled_rows(decoder, 64, 24, seed)
+    hidden = target_features(decoder, rows)
+    opt = torch.optim.Adam(heads.parameters(), lr=3e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        medusa_loss(heads, hidden, rows).backward()
+        opt.step()
+    return heads.requires_grad_(False)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+
+
+def test_the_faster_decoding_layout_round_trips(tmp_path):
+    heads = MedusaHeads(64, 48, num_heads=3, num_layers=2)
+    torch.nn.init.normal_(heads.blocks[1][0].weight)
+    save_medusa(heads, tmp_path, base_model="tiny")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["medusa_num_heads"] == 3 and config["medusa_num_layers"] == 2
+    from safetensors.torch import load_file
+
+    keys = set(load_file(str(tmp_path / "medusa_lm_head.safetensors")))
+    assert keys == {f"{i}.{j}.linear.{w}" for i in range(3) for j in range(2) for w in ("weight", "bias")} | {
+        f"{i}.2.weight" for i in range(3)}
+    again = load_medusa(tmp_path, 64, 48)
+    h = torch.randn(5, 64)
+    assert torch.equal(again(h), heads(h))
+
+
+def test_a_torch_checkpoint_written_like_faster_decoding_loads(tmp_path):
+    """``medusa_lm_head.pt`` is the state dict of FasterDecoding's ModuleList of
+    ``Sequential(ResBlock * L, Linear(H, V, bias=False))``, rebuilt here module for module."""
+    class ResBlock(torch.nn.Module):
+        def __init__(self, hidden):
+            super().__init__()
+            self.linear = torch.nn.Linear(hidden, hidden)
+            self.act = torch.nn.SiLU()
+
+        def forward(self, x):
+            return x + self.act(self.linear(x))
+
+    torch.manual_seed(0)
+    reference = torch.nn.ModuleList(torch.nn.Sequential(ResBlock(64), torch.nn.Linear(64, 48, bias=False))
+                                    for _ in range(2))
+    torch.save(reference.state_dict(), tmp_path / "medusa_lm_head.pt")
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1,
+                                                      "base_model_name_or_path": "x"}))
+    heads = load_medusa(tmp_path, 64, 48)
+    h = torch.randn(3, 64)
+    with torch.no_grad():
+        want = torch.stack([reference[i](h) for i in range(2)])
+    torch.testing.assert_close(heads(h), want, rtol=0, atol=1e-6)
+
+
+def test_bad_checkpoints_are_refused_with_the_reason(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        load_medusa(tmp_path, 64, 48)
+    save_medusa(MedusaHeads(64, 48, 2), tmp_path)
+    with pytest.raises(ValueError, match="shape"):
+        load_medusa(tmp_path, 64, 50)  # another vocabulary
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
+    with pytest.raises(ValueError, match="missing"):
+        load_medusa(tmp_path, 64, 48)
+    target = loaded(tiny_model(seed=1))
+    with pytest.raises(ValueError, match="needs \"model\""):
+        build_drafter(SpeculativeConfig(method="medusa"), DrafterContext(target, 64))
+
+
+def test_heads_without_lm_heads_share_the_targets(tmp_path):
+    decoder = tiny_model(seed=1, dtype=torch.float32)
+    heads = MedusaHeads(64, 48, 2, own_lm_heads=False)
+    heads.init_from_target(decoder.lm_head.weight)  # identity ResBlocks
+    save_medusa(heads, tmp_path)
+    drafter = build_drafter(SpeculativeConfig(method="medusa", model=str(tmp_path), num_speculative_tokens=2),
+                            DrafterContext(loaded(decoder), 64))
+    h = torch.randn(1, 64)
+    # identity ResBlocks and the target's head: every head gives the target's logits
+    torch.testing.assert_close(drafter.heads(h, drafter.target_head)[1], decoder.logits(h))
+
+
+# ---- training --------------------------------------------------------------------------------
+
+
+def test_training_lowers_the_loss_on_held_out_samples():
+    decoder = tiny_model(seed=1, dtype=torch.float32)
+    held_out = sampled_rows(decoder, 32, 24, seed=99)
+    hidden = target_features(decoder, held_out)
+    untrained = MedusaHeads(64, 48, 3)
+    untrained.init_from_target(decoder.lm_head.weight.float())
+    trained = trained_heads(decoder)
+    with torch.no_grad():
+        before = medusa_loss(untrained, hidden, held_out).item()
+        after = medusa_loss(trained, hidden, held_out).item()
+    assert after < 0.8 * before, (before, after)
+
+
+# ---- losslessness ----------------------------------------------------------------------------
+
+PROMPT_G = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]
+
+
+@pytest.fixture(scope="module")
+def greedy_models():
+    decoder = tiny_model(seed=1)  # bf16, as the engine tests' target
+    return decoder, trained_heads(decoder)
+
+
+def generate(decoder, params, drafter=None, k=0, prompt=PROMPT_G):
+    spec = SpeculativeConfig(method="medusa", num_speculative_tokens=k, adaptive=False) if k else None
+    engine = Engine(loaded(decoder), spec, max_model_len=256, drafter=drafter)
+    return engine.generate(prompt, params)
+
+
+TREES = {
+    "chain": {},
+    "static tree": {"tree": Tree.from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])},
+    "dynamic tree": {"topk": 2, "budget": 6},
+}
+
+
+@pytest.mark.parametrize("shape", TREES)
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_output_is_identical_to_plain(greedy_models, shape, k):
+    decoder, heads = greedy_models
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    plain = generate(decoder, params)
+    spec = generate(decoder, params, MedusaDrafter(heads, **TREES[shape]), k)
+    assert spec.output_ids == plain.output_ids
+    m = spec.metrics
+    assert 0 < m.num_accepted_tokens < m.num_draft_tokens  # not vacuous: some kept, some rejected
+
+
+@pytest.fixture(scope="module")
+def dist_models():
+    decoder = tiny_model(vocab=VOCAB, seed=11, layers=1, dtype=torch.float32)
+    with torch.no_grad():
+        decoder.lm_head.weight.mul_(0.25)  # the harness's flat target
+    return decoder, trained_heads(decoder, num_heads=2, steps=60)
+
+
+def sampled(decoder, heads, shape, params):
+    engine = Engine(loaded(decoder), SpeculativeConfig(method="medusa", num_speculative_tokens=2, adaptive=False),
+                    max_model_len=64, drafter=MedusaDrafter(heads, **TREES[shape]))
+    counts = sample_counts(lambda p: engine.generate(PROMPT, p).output_ids, params)
+    return counts, engine.metrics
+
+
+# The dynamic tree verifies like the static one (deterministic top-k children): `make test-long`.
+@pytest.mark.parametrize("shape", ["chain", "static tree", pytest.param("dynamic tree", marks=pytest.mark.long)])
+def test_sampling_keeps_the_targets_distribution(dist_models, shape):
+    decoder, heads = dist_models
+    params = SETTINGS["temperature=1.0"]
+    counts, m = sampled(decoder, heads, shape, params)
+    pvalue, tv = goodness_of_fit(counts, exact_joint(decoder, params))
+    print(f"{shape}: acceptance {m.acceptance_rate:.3f}, chi2 p={pvalue:.4f}, TV={tv:.4f}")
+    # Not vacuous: drafts are accepted often enough, and rejected often enough to exercise the
+    # residual (a tree's rate is per node, most of which cannot all be kept).
+    assert 0.05 * m.num_draft_tokens < m.num_accepted_tokens < 0.9 * m.num_draft_tokens
+    assert passes(pvalue, tv)
+
+
+def test_a_wrong_recovery_rule_fails_the_same_test(dist_models, monkeypatch):
+    """Negative control: recovering from p instead of normalize(max(p - q, 0)) is biased."""
+    decoder, heads = dist_models
+    monkeypatch.setattr(verify_module, "_recovery_distribution", lambda p, q: p)
+    params = SETTINGS["temperature=1.0"]
+    counts, _ = sampled(decoder, heads, "chain", params)
+    pvalue, tv = goodness_of_fit(counts, exact_joint(decoder, params))
+    print(f"negative control: chi2 p={pvalue:.2e}, TV={tv:.4f}")
+    assert not passes(pvalue, tv)
+
+
+# ---- train-drafter -----------------------------------------------------------------------------
+
+
+def tiny_training(tmp_path, steps: int, resume: bool = False, rows=None):
+    from verispec.config import TrainSettings
+    from verispec.speculative.train_drafter import train_medusa
+
+    decoder = tiny_model(seed=1, dtype=torch.float32)
+    with torch.no_grad():
+        # A random bigram model (attention output zeroed): its greedy answers are a function of the
+        # last token, so what the heads learn carries over to held-out rows, as with a real model.
+        # (A fully random tiny model is chaotic: heads only memorise its training rows.)
+        for layer in decoder.layers:
+            layer.o_proj.weight.zero_()
+    rows = rows if rows is not None else sampled_rows(decoder, 40, 24, seed=3, greedy=True).tolist()
+    settings = TrainSettings(num_heads=3, steps=steps, batch_size=8, lr=1e-2, seq_len=24, eval_every=20,
+                             save_every=20, held_out=0.25)
+    return train_medusa(loaded(decoder), rows, tmp_path, settings, resume=resume, log=lambda _: None,
+                        progress=False), decoder
+
+
+def test_a_tiny_training_run_beats_the_untrained_heads_on_held_out_rows(tmp_path):
+    reports, decoder = tiny_training(tmp_path, 60)
+    first, last = reports[0], reports[-1]
+    assert first.step == 0 and last.step == 60
+    print(first.line(), last.line(), sep="\n")
+    assert last.mean_acceptance_length > first.mean_acceptance_length + 1.0
+    assert all(after > before for before, after in zip(first.head_accuracy, last.head_accuracy))
+    heads = load_medusa(tmp_path, 64, 48)  # the FasterDecoding layout, loadable as a drafter
+    assert heads.num_heads == 3 and (tmp_path / "train_report.json").is_file()
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
+    straight, _ = tiny_training(tmp_path / "a", 40)
+    tiny_training(tmp_path / "b", 20)
+    resumed, _ = tiny_training(tmp_path / "b", 40, resume=True)
+    assert resumed[-1] == straight[-1]
+    a, b = load_medusa(tmp_path / "a", 64, 48), load_medusa(tmp_path / "b", 64, 48)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))

@@ -1,0 +1,262 @@
+"""``verispec train-drafter``: train speculative heads on a target's own features.
+
+Medusa-1 recipe (the target frozen, the heads trained):
+
+1. **Data.** Each line of ``--data`` (JSONL) is ``{"prompt": str}``, ``{"messages": [...]}``
+   (chat) or ``{"text": str}``; any other file is plain text or code. Prompts are answered by
+   the target itself, greedily (self-distillation, as Medusa-2 and EAGLE recommend: the heads
+   learn what the target will say, not what some other writer said). Text is cut into windows
+   of ``seq_len`` tokens. The token rows are cached in ``OUT/data.pt``.
+2. **Features.** The target's final hidden states of every row by teacher forcing (one
+   prefill-shaped pass per row), cached in ``OUT/features.pt``.
+3. **Training.** Adam on :func:`~verispec.speculative.medusa.medusa_loss` over random batches
+   of rows. A checkpoint (heads, optimizer, step, random state) is written every
+   ``save_every`` steps to ``OUT/checkpoint.pt``; ``--resume`` continues from it. The heads
+   are written in the FasterDecoding layout to ``OUT`` at the end (and with each checkpoint).
+4. **Held-out acceptance.** A split of the rows (``held_out``, at least one row) is never
+   trained on. Every ``eval_every`` steps it reports each head's top-1 agreement with the
+   target's next tokens and the mean acceptance length of a greedy chain: per position, 1 (the
+   target's own token) plus the number of leading heads whose token is right. On
+   self-distilled rows this is what greedy speculation with these heads would accept.
+
+Heads share the target's LM head by default (``own_lm_heads=False``): an LM head of its own is
+``vocab x hidden`` per head (233M parameters each for the 1.5B target), too much to train on a
+CPU, while the ResBlocks are ``hidden^2`` each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from verispec.config import TrainSettings
+from verispec.speculative.medusa import MedusaHeads, medusa_loss, save_medusa, target_features
+
+
+# What a resumed run must share with the checkpoint (steps and reporting may change).
+RESUME_KEYS = ("num_heads", "num_layers", "batch_size", "lr", "seq_len", "max_new_tokens", "held_out", "seed",
+               "own_lm_heads")
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    step: int
+    loss: float
+    head_accuracy: tuple[float, ...]  # top-1 agreement of head i with the token i + 2 ahead
+    mean_acceptance_length: float  # greedy chain, bonus token counted
+
+    def line(self) -> str:
+        heads = " ".join(f"{a:.2f}" for a in self.head_accuracy)
+        return (f"step {self.step}: held-out loss {self.loss:.3f}, head top-1 {heads}, "
+                f"mean acceptance length {self.mean_acceptance_length:.2f}")
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+
+def read_rows(target, data: Path, settings: TrainSettings, log: Callable[[str], None] = print) -> list[list[int]]:
+    """Token rows from ``data`` (module doc): prompts answered by the target, text windows."""
+    from verispec.config import SamplingParams
+    from verispec.engine.engine import Engine
+
+    tok = target.tokenizer
+    prompts: list[list[int]] = []
+    rows: list[list[int]] = []
+    if data.suffix == ".jsonl":
+        for n, line in enumerate(data.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{data}:{n}: not JSON: {e}") from None
+            if not isinstance(item, dict):
+                raise ValueError(f"{data}:{n}: expected an object with prompt, messages or text")
+            if isinstance(item.get("prompt"), str):
+                prompts.append(tok.apply_chat_template(item["prompt"]) if tok.has_chat_template
+                               else tok.encode(item["prompt"]))
+            elif isinstance(item.get("messages"), list):
+                prompts.append(tok.apply_chat_template(item["messages"]))
+            elif isinstance(item.get("text"), str):
+                rows.extend(_windows(tok.encode(item["text"]), settings.seq_len))
+            else:
+                raise ValueError(f"{data}:{n}: expected a string prompt, a messages list or a string text")
+    else:
+        rows.extend(_windows(tok.encode(data.read_text(encoding="utf-8", errors="replace")), settings.seq_len))
+    if prompts:
+        engine = Engine(target, max_model_len=settings.seq_len + settings.max_new_tokens + 1)
+        params = SamplingParams(temperature=0.0, max_tokens=settings.max_new_tokens)
+        for i, prompt in enumerate(prompts, start=1):
+            prompt = prompt[-settings.seq_len:]
+            seq = engine.generate(prompt, params)
+            rows.append((prompt + seq.output_ids)[-settings.seq_len:])
+            log(f"self-distillation: answered prompt {i}/{len(prompts)} ({len(seq.output_ids)} tokens)")
+    rows = [r for r in rows if len(r) >= settings.num_heads + 2]
+    if len(rows) < 2:
+        raise ValueError(f"{data} gives {len(rows)} usable row(s); training needs at least 2 "
+                         f"(one is held out), each of at least {settings.num_heads + 2} tokens")
+    return rows
+
+
+def _windows(ids: list[int], length: int) -> list[list[int]]:
+    return [ids[i : i + length] for i in range(0, len(ids), length)]
+
+
+def _cached(path: Path, key: str, build: Callable[[], object]) -> object:
+    """``build()``, stored in ``path`` under ``key`` and reused while the key matches."""
+    if path.is_file():
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        if saved.get("key") == key:
+            return saved["value"]
+    value = build()
+    torch.save({"key": key, "value": value}, path)
+    return value
+
+
+# ---- held-out evaluation -------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(heads: MedusaHeads, features: list[Tensor], rows: list[list[int]], step: int,
+             shared_head: Callable[[Tensor], Tensor] | None) -> HeldOut:
+    k = heads.num_heads
+    correct = torch.zeros(k)
+    counted = torch.zeros(k)
+    lengths: list[Tensor] = []
+    losses = []
+    for hidden, row in zip(features, rows):
+        ids = torch.tensor(row)
+        t = len(row)
+        losses.append(medusa_loss(heads, hidden.float()[None], ids[None], shared_head=shared_head).item())
+        pred = heads(hidden.float(), shared_head).argmax(-1)  # [K, T]
+        usable = t - k - 1  # positions where every head's target token exists
+        if usable <= 0:
+            continue
+        hits = torch.stack([pred[i, :usable] == ids[i + 2 : i + 2 + usable] for i in range(k)])  # [K, usable]
+        correct += hits.sum(1).float()
+        counted += usable
+        lengths.append(1 + hits.int().cumprod(0).sum(0).float())  # 1 + leading correct heads
+    accuracy = tuple((correct / counted.clamp_min(1)).tolist())
+    mal = torch.cat(lengths).mean().item() if lengths else 1.0
+    return HeldOut(step, sum(losses) / len(losses), accuracy, mal)
+
+
+# ---- training ------------------------------------------------------------------------------------
+
+
+def lm_head_weight(decoder) -> Tensor:
+    """The target's dense LM head ``[V, H]`` (tied to the embedding, or an ``nn.Linear``)."""
+    if decoder.lm_head is None:
+        return decoder.embed.weight
+    weight = getattr(decoder.lm_head, "weight", None)
+    if not isinstance(weight, Tensor):
+        raise ValueError("training Medusa heads needs the target's LM head as dense weights: load the "
+                         "target with --quantization none")
+    return weight
+
+
+def train_medusa(target, rows: list[list[int]], out: Path, settings: TrainSettings, *, resume: bool = False,
+                 features: list[Tensor] | None = None, log: Callable[[str], None] = print,
+                 progress: bool = True) -> list[HeldOut]:
+    """Train Medusa heads for ``target`` on ``rows``; write checkpoints and the heads to ``out``.
+    Returns the held-out reports, the untrained heads' first (step 0)."""
+    decoder = target.model
+    out.mkdir(parents=True, exist_ok=True)
+    if features is None:
+        features = [target_features(decoder, torch.tensor([r]))[0].to(torch.bfloat16) for r in rows]
+    order = list(range(len(rows)))
+    random.Random(settings.seed).shuffle(order)
+    n_held = max(1, round(len(rows) * settings.held_out))
+    held, train = order[:n_held], order[n_held:]
+    if not train:
+        raise ValueError(f"{len(rows)} rows leave none to train on after holding out {n_held}")
+
+    weight = lm_head_weight(decoder).detach().float()
+    shared = None if settings.own_lm_heads else (lambda x: x @ weight.T)
+    torch.manual_seed(settings.seed)
+    heads = MedusaHeads(decoder.config.hidden_size, decoder.config.vocab_size, settings.num_heads,
+                        settings.num_layers, own_lm_heads=settings.own_lm_heads)
+    heads.init_from_target(weight)
+    opt = torch.optim.AdamW([p for p in heads.parameters()], lr=settings.lr, weight_decay=0.0)
+    gen = random.Random(settings.seed + 1)
+    step = 0
+    checkpoint = out / "checkpoint.pt"
+    if resume:
+        if not checkpoint.is_file():
+            raise ValueError(f"--resume: {checkpoint} does not exist")
+        state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        changed = {k for k in RESUME_KEYS if state["settings"].get(k) != getattr(settings, k)}
+        if changed:
+            raise ValueError(f"--resume: {checkpoint} was trained with other {', '.join(sorted(changed))}: "
+                             f"{ {k: state['settings'].get(k) for k in sorted(changed)} }")
+        heads.load_state_dict(state["heads"])
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+        gen.setstate(state["random"])
+        log(f"resumed at step {step}")
+    held_feats, held_rows = [features[i] for i in held], [rows[i] for i in held]
+    reports = [evaluate(heads, held_feats, held_rows, step, shared)]
+    log(reports[-1].line())
+
+    def save() -> None:
+        torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                    "random": gen.getstate(), "settings": asdict(settings)}, checkpoint)
+        save_medusa(heads, out, base_model=getattr(target, "name", ""))
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=settings.steps, initial=step, desc="train-drafter", unit="step")
+    while step < settings.steps:
+        batch = [train[gen.randrange(len(train))] for _ in range(settings.batch_size)]
+        opt.zero_grad()
+        loss = 0.0
+        for i in batch:  # one row at a time: a row's logits are K x T x V (GBs for a large vocabulary)
+            row_loss = medusa_loss(heads, features[i].float()[None], torch.tensor([rows[i]]),
+                                   shared_head=shared) / len(batch)
+            row_loss.backward()
+            loss += row_loss.item()
+        opt.step()
+        step += 1
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+        if step % settings.eval_every == 0 or step == settings.steps:
+            reports.append(evaluate(heads, held_feats, held_rows, step, shared))
+            log(reports[-1].line())
+        if step % settings.save_every == 0 or step == settings.steps:
+            save()
+    if bar is not None:
+        bar.close()
+    (out / "train_report.json").write_text(json.dumps([asdict(r) for r in reports], indent=1) + "\n")
+    return reports
+
+
+def run(target_spec: str, method: str, data: Path, out: Path, settings: TrainSettings, *, resume: bool = False,
+        log: Callable[[str], None] = print) -> list[HeldOut]:
+    """``verispec train-drafter``: load the target, build or reuse the cached rows and features,
+    train, write the heads."""
+    if method != "medusa":
+        raise ValueError(f"train-drafter --method {method}: only medusa is implemented so far "
+                         "(eagle heads are not yet)")
+    if not data.is_file():
+        raise FileNotFoundError(f"--data {data} does not exist")
+    from verispec.models.loader import load_model
+
+    target = load_model(target_spec, quantization="none")
+    out.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(data.read_bytes()).hexdigest()[:16]
+    key = json.dumps([target_spec, digest, settings.seq_len, settings.max_new_tokens, settings.num_heads])
+    rows = _cached(out / "data.pt", key, lambda: read_rows(target, data, settings, log))
+    log(f"{len(rows)} rows, {sum(map(len, rows))} tokens")
+    features = _cached(out / "features.pt", key, lambda: [
+        target_features(target.model, torch.tensor([r]))[0].to(torch.bfloat16) for r in rows])
+    return train_medusa(target, rows, out, settings, resume=resume, features=features, log=log)
