@@ -100,8 +100,10 @@ def test_the_settings_are_checked_before_any_replica_starts():
     with pytest.raises(ValidationError, match="max_replicas must be >= min_replicas"):
         ScaleOutConfig(model="m", min_replicas=3, max_replicas=2)
     assert ScaleOutConfig(model="m", num_replicas=2).autoscaling() is None
-    assert ScaleOutConfig(model="m", max_replicas=4, target_ongoing_requests=2).autoscaling() == {
-        "min_replicas": 1, "max_replicas": 4, "initial_replicas": 1, "target_ongoing_requests": 2.0}
+    assert ScaleOutConfig(model="m", max_replicas=4, target_ongoing_requests=2,
+                          autoscaling_options={"upscale_delay_s": 5}).autoscaling() == {
+        "min_replicas": 1, "max_replicas": 4, "initial_replicas": 1, "target_ongoing_requests": 2.0,
+        "upscale_delay_s": 5}
 
 
 def test_the_serve_config_file_in_the_docs_builds_the_application():

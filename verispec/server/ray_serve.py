@@ -100,6 +100,8 @@ class ScaleOutConfig(BaseModel):
     min_replicas: int | None = Field(None, ge=0)
     max_replicas: int | None = Field(None, ge=1)
     target_ongoing_requests: float = Field(4.0, gt=0)
+    autoscaling_options: dict[str, Any] = Field(
+        default_factory=dict, description="more of Serve's autoscaling_config, e.g. upscale_delay_s")
     num_cpus: float = Field(1.0, ge=0, description="CPUs each replica reserves")
     num_gpus: float = Field(0.0, ge=0, description="GPUs each replica reserves")
     max_ongoing_requests: int | None = Field(None, ge=1, description="default: 2 * max_num_seqs")
@@ -137,7 +139,7 @@ class ScaleOutConfig(BaseModel):
         low = self.min_replicas if self.min_replicas is not None else 1
         return {"min_replicas": low, "max_replicas": self.max_replicas,
                 "initial_replicas": max(low, min(self.num_replicas, self.max_replicas)),
-                "target_ongoing_requests": self.target_ongoing_requests}
+                "target_ongoing_requests": self.target_ongoing_requests, **self.autoscaling_options}
 
 
 # ---- what travels from the ingress to a replica --------------------------------------------------
