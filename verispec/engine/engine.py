@@ -45,6 +45,11 @@ every round it can, as asked. So does a seeded sampled request, at the engine's 
 seed reproduces its output (its random draws depend on how many drafts each round verifies;
 greedy output does not depend on k at all).
 
+Hidden states. A drafter that declares ``hidden_layers`` (Medusa heads, EAGLE) gets the target's
+hidden states of those layers from the passes the engine runs anyway: after prefill, every prompt
+position; after each round, the rows of the committed tokens' inputs (a tree's accepted path), in
+``seq.target_hidden``, set before ``feedback``. No pass is added for them.
+
 Calibration. An adaptive controller decides from measured costs, and the first run of each
 shape pays one-time set-up (kernel primitives, allocation), often half as much again as a warm
 run; a controller that learned those first samples would price drafting out and, never drafting

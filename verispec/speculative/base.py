@@ -16,6 +16,10 @@ Life cycle of one request::
 A proposal is a chain unless it carries ``parents``: then its tokens are the nodes of a draft
 tree (see :mod:`verispec.speculative.tree`) verified in one target pass. Chain drafters never set it.
 
+A drafter that reads the target's hidden states declares ``hidden_layers`` (a tuple of layer
+indices: 0 = embeddings, i = after layer i, -1 = the final normed state); the engine then puts
+those layers, concatenated, in ``seq.target_hidden`` before ``start`` and every ``feedback``.
+
 A drafter with costs of its own worth timing up front may also have
 ``calibrate(slot, token, reference) -> (a draft step, [(prompt length, time to read it)],
 [(generated tokens, time to catch up on them)])``, every time in runs of ``reference()`` (the
