@@ -408,6 +408,9 @@ def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
                    help=f"fraction of rows never trained on, for the acceptance reports (default {d.held_out})")
     t.add_argument("--own-lm-heads", action="store_true",
                    help="give each head its own LM head (vocab x hidden each) instead of the target's")
+    t.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
+                   help="the target's weights, as for generate (default auto: a GGUF's own on the native "
+                   "kernels); heads are trained on the features the target computes this way")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the physical cores)")
 
 
@@ -421,7 +424,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                              eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
                              own_lm_heads=args.own_lm_heads)
     set_threads(args.threads)
-    reports = run(args.target, args.method, args.data, args.out, settings, resume=args.resume)
+    reports = run(args.target, args.method, args.data, args.out, settings, resume=args.resume,
+                  quantization=args.quantization)
     print(f"heads written to {args.out}; held-out mean acceptance length {reports[0].mean_acceptance_length:.2f} "
           f"untrained -> {reports[-1].mean_acceptance_length:.2f} at step {reports[-1].step}")
     return 0

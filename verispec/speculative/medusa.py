@@ -278,7 +278,7 @@ def target_features(decoder, rows: Tensor) -> Tensor:
     ``[N, T, H]`` float32, detached from inference mode so heads can train on them."""
     cache = decoder.new_cache(rows.shape[1], num_slots=rows.shape[0])
     positions = torch.arange(rows.shape[1], device=rows.device).expand_as(rows)
-    out = decoder(rows, positions, cache, num_logits=1, output_hidden_states=True)
+    out = decoder(rows, positions, cache, num_logits=1, output_hidden_states=True, prefill=True)
     return out.hidden_states[-1].float().clone()
 
 

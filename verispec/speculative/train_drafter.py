@@ -152,13 +152,22 @@ def evaluate(heads: MedusaHeads, features: list[Tensor], rows: list[list[int]], 
 
 
 def lm_head_weight(decoder) -> Tensor:
-    """The target's dense LM head ``[V, H]`` (tied to the embedding, or an ``nn.Linear``)."""
-    if decoder.lm_head is None:
+    """The target's LM head as dense weights ``[V, H]``: the embedding table when they are tied,
+    an ``nn.Linear``'s weight, or a native layer's GGUF blocks dequantized (the exact weights the
+    kernels multiply by)."""
+    from verispec.models.native import NativeLinear
+
+    head = decoder.lm_head
+    if head is None:
         return decoder.embed.weight
-    weight = getattr(decoder.lm_head, "weight", None)
+    if isinstance(head, NativeLinear):
+        from verispec import kernels
+
+        return torch.cat([kernels.dequantize(p) for p in head.parts])
+    weight = getattr(head, "weight", None)
     if not isinstance(weight, Tensor):
-        raise ValueError("training Medusa heads needs the target's LM head as dense weights: load the "
-                         "target with --quantization none")
+        raise ValueError(f"cannot read the target's LM head ({type(head).__name__}) as dense weights: "
+                         "use --quantization none")
     return weight
 
 
@@ -241,7 +250,7 @@ def train_medusa(target, rows: list[list[int]], out: Path, settings: TrainSettin
 
 
 def run(target_spec: str, method: str, data: Path, out: Path, settings: TrainSettings, *, resume: bool = False,
-        log: Callable[[str], None] = print) -> list[HeldOut]:
+        quantization: str = "auto", log: Callable[[str], None] = print) -> list[HeldOut]:
     """``verispec train-drafter``: load the target, build or reuse the cached rows and features,
     train, write the heads."""
     if method != "medusa":
@@ -251,10 +260,13 @@ def run(target_spec: str, method: str, data: Path, out: Path, settings: TrainSet
         raise FileNotFoundError(f"--data {data} does not exist")
     from verispec.models.loader import load_model
 
-    target = load_model(target_spec, quantization="none")
+    # The target as it will serve (the native kernels by default): its answers come at decode
+    # speed, and the heads learn the features they will see.
+    target = load_model(target_spec, quantization=quantization)
     out.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256(data.read_bytes()).hexdigest()[:16]
-    key = json.dumps([target_spec, digest, settings.seq_len, settings.max_new_tokens, settings.num_heads])
+    key = json.dumps([target_spec, quantization, digest, settings.seq_len, settings.max_new_tokens,
+                      settings.num_heads])
     rows = _cached(out / "data.pt", key, lambda: read_rows(target, data, settings, log))
     log(f"{len(rows)} rows, {sum(map(len, rows))} tokens")
     features = _cached(out / "features.pt", key, lambda: [
