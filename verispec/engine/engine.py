@@ -441,7 +441,8 @@ class Engine:
         if self.hidden_layers is None:
             return self.model(ids, positions, self.cache, slots=slots, **kwargs), None
         out = self.model(ids, positions, self.cache, slots=slots, output_hidden_states=True, **kwargs)
-        return out.logits, torch.cat([out.hidden_states[i] for i in self.hidden_layers], dim=-1)
+        layers = [out.hidden_states[i] for i in self.hidden_layers]
+        return out.logits, layers[0] if len(layers) == 1 else torch.cat(layers, dim=-1)
 
     def _forward_chains(self, batch: list[Sequence], proposals: list[Proposal], starts: list[int]
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
