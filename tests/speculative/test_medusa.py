@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -260,3 +261,16 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     assert resumed[-1] == straight[-1]
     a, b = load_medusa(tmp_path / "a", 64, 48), load_medusa(tmp_path / "b", 64, 48)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_a_round_computes_only_the_heads_it_drafts_with():
+    heads = MedusaHeads(64, 48, num_heads=4)
+    h = torch.randn(2, 64)
+    assert torch.equal(heads(h, num_heads=2), heads(h)[:2])
+    calls = []
+    for i, head in enumerate(heads.lm_heads):
+        head.register_forward_hook(lambda *_, i=i: calls.append(i))
+    drafter = MedusaDrafter(heads)
+    seq = SimpleNamespace(slot=0, params=SamplingParams(temperature=0.0), target_hidden=h)
+    drafter.start(seq)
+    assert len(drafter.propose(seq, 2)) == 2 and calls == [0, 1]

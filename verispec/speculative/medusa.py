@@ -67,20 +67,23 @@ class MedusaHeads(nn.Module):
         self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads)) \
             if own_lm_heads else None
 
-    def features(self, h: Tensor) -> Tensor:
-        """The ResBlocks of every head: ``[n, H] -> [K, n, H]``."""
+    def features(self, h: Tensor, num_heads: int | None = None) -> Tensor:
+        """The ResBlocks of the first ``num_heads`` heads (default all K): ``[n, H] -> [K, n, H]``."""
         out = []
-        for blocks in self.blocks:
+        for blocks in self.blocks[:num_heads]:
             x = h
             for block in blocks:
                 x = x + nn.functional.silu(block(x))
             out.append(x)
         return torch.stack(out)
 
-    def forward(self, h: Tensor, shared_head: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-        x = self.features(h.float())  # [K, n, H]
+    def forward(self, h: Tensor, shared_head: Callable[[Tensor], Tensor] | None = None,
+                num_heads: int | None = None) -> Tensor:
+        """Logits of the first ``num_heads`` heads (default all): a round drafting fewer tokens
+        than there are heads pays only for the heads it uses."""
+        x = self.features(h.float(), num_heads)  # [K', n, H]
         if self.lm_heads is not None:
-            return torch.stack([head(x[i]) for i, head in enumerate(self.lm_heads)])
+            return torch.stack([head(x[i]) for i, head in zip(range(len(x)), self.lm_heads)])
         if shared_head is None:
             raise ValueError("these Medusa heads share the target's LM head: pass it as shared_head")
         return shared_head(x).float()
@@ -186,7 +189,7 @@ class MedusaDrafter:
     @torch.inference_mode()
     def propose(self, seq: Sequence, k: int) -> Proposal:
         depth = min(k, self.heads.num_heads)
-        logits = self.heads(self._hidden[seq.slot][None], self.target_head)[:depth, 0]  # [depth, V]
+        logits = self.heads(self._hidden[seq.slot][None], self.target_head, depth)[:, 0]  # [depth, V]
         if self.static is not None:
             return self._static(seq, logits, depth)
         if self.topk > 1:
