@@ -4,7 +4,7 @@
     verispec plan --acceptance P --alpha A [--draft-cost C] [--measure MODEL [--draft MODEL]]
     verispec serve MODEL [speculative flags] [--host H] [--port P] [--api-key-file PATH] ...
     verispec models list | fetch NAME
-    verispec train-drafter --target MODEL --method medusa --data FILE --out DIR [--resume]
+    verispec train-drafter --target MODEL --method medusa|eagle --data FILE --out DIR [--resume]
     verispec bench --model MODEL --methods plain,ngram,... [--questions spec-bench|code-edit|FILE]
     verispec bench PRESET [options]      (verispec bench --help lists the presets)
 
@@ -382,12 +382,12 @@ def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
     d = TrainSettings()
     t = sub.add_parser(
         "train-drafter",
-        help="train speculative heads (Medusa) on a target's own answers and features",
-        description="Train Medusa heads for a target (the target frozen). --data is JSONL of "
+        help="train speculative heads (Medusa, EAGLE-3) on a target's own answers and features",
+        description="Train Medusa heads or an EAGLE-3 head for a target (the target frozen). --data is JSONL of "
         '{"prompt": ...}, {"messages": [...]} (answered by the target itself) or {"text": ...}, or a '
         "plain text or code file. Rows and features are cached in --out; checkpoints go there "
-        "every --save-every steps, and the heads in the FasterDecoding layout, for "
-        '--speculative-config \'{"method": "medusa", "model": OUT}\'. Held-out acceptance is printed '
+        "every --save-every steps, and the heads (Medusa: FasterDecoding layout; EAGLE-3: vLLM's "
+        'speculators layout), for --speculative-config \'{"method": "medusa" or "eagle", "model": OUT}\'. Held-out acceptance is printed '
         "every --eval-every steps.",
     )
     t.add_argument("--target", required=True, help="bundled model name, HF model directory or .gguf file")
@@ -400,7 +400,10 @@ def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
                             ("batch_size", "rows per step"), ("seq_len", "tokens per row"),
                             ("max_new_tokens", "tokens of the target's answer per prompt"),
                             ("eval_every", "steps between held-out reports"),
-                            ("save_every", "steps between checkpoints"), ("seed", "random seed")):
+                            ("save_every", "steps between checkpoints"), ("seed", "random seed"),
+                            ("ttt_steps", "eagle: steps the training-time test unrolls"),
+                            ("draft_vocab_size", "eagle: draft vocabulary, the data's most frequent tokens"),
+                            ("intermediate_size", "eagle: the head's MLP width, 0 for the target's")):
         t.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
                        help=f"{help_text} (default {getattr(d, name)})")
     t.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr})")
@@ -422,7 +425,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                              batch_size=args.batch_size, lr=args.lr, seq_len=args.seq_len,
                              max_new_tokens=args.max_new_tokens, held_out=args.held_out,
                              eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
-                             own_lm_heads=args.own_lm_heads)
+                             own_lm_heads=args.own_lm_heads, ttt_steps=args.ttt_steps,
+                             draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size)
     set_threads(args.threads)
     reports = run(args.target, args.method, args.data, args.out, settings, resume=args.resume,
                   quantization=args.quantization)

@@ -240,9 +240,16 @@ class TrainSettings:
     save_every: int = 200
     seed: int = 0
     own_lm_heads: bool = False
+    # EAGLE-3 heads: unrolled steps of the training-time test, the draft vocabulary (the most
+    # frequent tokens of the data), and the MLP width (0: the target's).
+    ttt_steps: int = 3
+    draft_vocab_size: int = 32768
+    intermediate_size: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_heads", "steps", "batch_size", "seq_len", "max_new_tokens", "eval_every", "save_every"):
+        if self.intermediate_size < 0:
+            raise ValueError(f"intermediate_size must be >= 0, got {self.intermediate_size}")
+        for name in ("ttt_steps", "draft_vocab_size", "num_heads", "steps", "batch_size", "seq_len", "max_new_tokens", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_layers < 0:

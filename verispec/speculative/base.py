@@ -171,4 +171,4 @@ def build_drafter(config: SpeculativeConfig, context: DrafterContext) -> Drafter
 
 def _load_builtin_drafters() -> None:
     # Importing the modules runs their @register_drafter decorators.
-    from verispec.speculative import draft_model, lookahead, medusa, ngram, suffix  # noqa: F401
+    from verispec.speculative import draft_model, eagle, lookahead, medusa, ngram, suffix  # noqa: F401

@@ -1,27 +1,34 @@
 """``verispec train-drafter``: train speculative heads on a target's own features.
 
-Medusa-1 recipe (the target frozen, the heads trained):
+The target stays frozen and only the heads train (Medusa-1; EAGLE-3 likewise):
 
 1. **Data.** Each line of ``--data`` (JSONL) is ``{"prompt": str}``, ``{"messages": [...]}``
    (chat) or ``{"text": str}``; any other file is plain text or code. Prompts are answered by
    the target itself, greedily (self-distillation, as Medusa-2 and EAGLE recommend: the heads
    learn what the target will say, not what some other writer said). Text is cut into windows
    of ``seq_len`` tokens. The token rows are cached in ``OUT/data.pt``.
-2. **Features.** The target's final hidden states of every row by teacher forcing (one
-   prefill-shaped pass per row), cached in ``OUT/features.pt``.
-3. **Training.** Adam on :func:`~verispec.speculative.medusa.medusa_loss` over random batches
-   of rows. A checkpoint (heads, optimizer, step, random state) is written every
+2. **Features.** The target's hidden states of every row by teacher forcing (one
+   prefill-shaped pass per row), cached in ``OUT``: the final normed state for Medusa
+   (``features.pt``), three layers for EAGLE-3 (``eagle_features.pt``).
+3. **Training.** AdamW over random batches of rows, on
+   :func:`~verispec.speculative.medusa.medusa_loss` or on
+   :func:`~verispec.speculative.eagle.eagle_loss`, EAGLE-3's training-time test: the head is
+   unrolled ``ttt_steps`` steps on its own output states, each step attending as the drafter's
+   cache will when it drafts that far. A checkpoint (heads, optimizer, step, random state) is written every
    ``save_every`` steps to ``OUT/checkpoint.pt``; ``--resume`` continues from it. The heads
-   are written in the FasterDecoding layout to ``OUT`` at the end (and with each checkpoint).
+   are written to ``OUT`` at the end (and with each checkpoint): Medusa heads in the FasterDecoding
+   layout, an EAGLE-3 head in vLLM's speculators layout.
 4. **Held-out acceptance.** A split of the rows (``held_out``, at least one row) is never
-   trained on. Every ``eval_every`` steps it reports each head's top-1 agreement with the
-   target's next tokens and the mean acceptance length of a greedy chain: per position, 1 (the
-   target's own token) plus the number of leading heads whose token is right. On
-   self-distilled rows this is what greedy speculation with these heads would accept.
+   trained on. Every ``eval_every`` steps it reports each head's (or unrolled step's) top-1
+   agreement with the target's next tokens and the mean acceptance length of a greedy chain:
+   per position, 1 (the target's own token) plus the number of leading drafts that are right.
+   On self-distilled rows this is what greedy speculation with these heads would accept.
 
 Heads share the target's LM head by default (``own_lm_heads=False``): an LM head of its own is
 ``vocab x hidden`` per head (233M parameters each for the 1.5B target), too much to train on a
-CPU, while the ResBlocks are ``hidden^2`` each.
+CPU, while the ResBlocks are ``hidden^2`` each. An EAGLE-3 head gets a reduced vocabulary
+instead (``draft_vocab_size``, the data's most frequent tokens, its LM head initialised from the
+target's rows for them) and one decoder layer whose MLP width is ``intermediate_size``.
 """
 
 from __future__ import annotations
@@ -37,12 +44,14 @@ import torch
 from torch import Tensor
 
 from verispec.config import TrainSettings
+from verispec.speculative.eagle import (Eagle3Head, EagleConfig, choose_draft_vocab, default_aux_layers, eagle_loss,
+                                        eagle_step_hits, save_eagle, target_eagle_features)
 from verispec.speculative.medusa import MedusaHeads, medusa_loss, save_medusa, target_features
 
 
 # What a resumed run must share with the checkpoint (steps and reporting may change).
 RESUME_KEYS = ("num_heads", "num_layers", "batch_size", "lr", "seq_len", "max_new_tokens", "held_out", "seed",
-               "own_lm_heads")
+               "own_lm_heads", "ttt_steps", "draft_vocab_size", "intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -98,10 +107,11 @@ def read_rows(target, data: Path, settings: TrainSettings, log: Callable[[str], 
             seq = engine.generate(prompt, params)
             rows.append((prompt + seq.output_ids)[-settings.seq_len:])
             log(f"self-distillation: answered prompt {i}/{len(prompts)} ({len(seq.output_ids)} tokens)")
-    rows = [r for r in rows if len(r) >= settings.num_heads + 2]
+    shortest = max(settings.num_heads, settings.ttt_steps) + 2
+    rows = [r for r in rows if len(r) >= shortest]
     if len(rows) < 2:
         raise ValueError(f"{data} gives {len(rows)} usable row(s); training needs at least 2 "
-                         f"(one is held out), each of at least {settings.num_heads + 2} tokens")
+                         f"(one is held out), each of at least {shortest} tokens")
     return rows
 
 
@@ -171,29 +181,24 @@ def lm_head_weight(decoder) -> Tensor:
     return weight
 
 
-def train_medusa(target, rows: list[list[int]], out: Path, settings: TrainSettings, *, resume: bool = False,
-                 features: list[Tensor] | None = None, log: Callable[[str], None] = print,
-                 progress: bool = True) -> list[HeldOut]:
-    """Train Medusa heads for ``target`` on ``rows``; write checkpoints and the heads to ``out``.
-    Returns the held-out reports, the untrained heads' first (step 0)."""
-    decoder = target.model
-    out.mkdir(parents=True, exist_ok=True)
-    if features is None:
-        features = [target_features(decoder, torch.tensor([r]))[0].to(torch.bfloat16) for r in rows]
+def _split(rows: list[list[int]], settings: TrainSettings) -> tuple[list[int], list[int]]:
+    """Row indices held out and trained on."""
     order = list(range(len(rows)))
     random.Random(settings.seed).shuffle(order)
     n_held = max(1, round(len(rows) * settings.held_out))
     held, train = order[:n_held], order[n_held:]
     if not train:
         raise ValueError(f"{len(rows)} rows leave none to train on after holding out {n_held}")
+    return held, train
 
-    weight = lm_head_weight(decoder).detach().float()
-    shared = None if settings.own_lm_heads else (lambda x: x @ weight.T)
-    torch.manual_seed(settings.seed)
-    heads = MedusaHeads(decoder.config.hidden_size, decoder.config.vocab_size, settings.num_heads,
-                        settings.num_layers, own_lm_heads=settings.own_lm_heads)
-    heads.init_from_target(weight)
-    opt = torch.optim.AdamW([p for p in heads.parameters()], lr=settings.lr, weight_decay=0.0)
+
+def _fit(module: torch.nn.Module, train: list[int], out: Path, settings: TrainSettings, *, resume: bool,
+         row_loss: Callable[[int], Tensor], held_out: Callable[[int], HeldOut], write: Callable[[], None],
+         log: Callable[[str], None], progress: bool) -> list[HeldOut]:
+    """The loop both methods share: AdamW over random batches of the ``train`` rows (one row's
+    loss at a time, its gradient accumulated), held-out reports, checkpoints and ``--resume``
+    (bit-identical to an uninterrupted run: the optimizer and the batch sampler's state are saved)."""
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=settings.lr, weight_decay=0.0)
     gen = random.Random(settings.seed + 1)
     step = 0
     checkpoint = out / "checkpoint.pt"
@@ -205,19 +210,18 @@ def train_medusa(target, rows: list[list[int]], out: Path, settings: TrainSettin
         if changed:
             raise ValueError(f"--resume: {checkpoint} was trained with other {', '.join(sorted(changed))}: "
                              f"{ {k: state['settings'].get(k) for k in sorted(changed)} }")
-        heads.load_state_dict(state["heads"])
+        module.load_state_dict(state["heads"])
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
         gen.setstate(state["random"])
         log(f"resumed at step {step}")
-    held_feats, held_rows = [features[i] for i in held], [rows[i] for i in held]
-    reports = [evaluate(heads, held_feats, held_rows, step, shared)]
+    reports = [held_out(step)]
     log(reports[-1].line())
 
     def save() -> None:
-        torch.save({"heads": heads.state_dict(), "optimizer": opt.state_dict(), "step": step,
+        torch.save({"heads": module.state_dict(), "optimizer": opt.state_dict(), "step": step,
                     "random": gen.getstate(), "settings": asdict(settings)}, checkpoint)
-        save_medusa(heads, out, base_model=getattr(target, "name", ""))
+        write()
 
     bar = None
     if progress:
@@ -228,18 +232,17 @@ def train_medusa(target, rows: list[list[int]], out: Path, settings: TrainSettin
         batch = [train[gen.randrange(len(train))] for _ in range(settings.batch_size)]
         opt.zero_grad()
         loss = 0.0
-        for i in batch:  # one row at a time: a row's logits are K x T x V (GBs for a large vocabulary)
-            row_loss = medusa_loss(heads, features[i].float()[None], torch.tensor([rows[i]]),
-                                   shared_head=shared) / len(batch)
-            row_loss.backward()
-            loss += row_loss.item()
+        for i in batch:  # one row at a time: a row's logits are T x V per head (GBs for a large vocabulary)
+            one = row_loss(i) / len(batch)
+            one.backward()
+            loss += one.item()
         opt.step()
         step += 1
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
         if step % settings.eval_every == 0 or step == settings.steps:
-            reports.append(evaluate(heads, held_feats, held_rows, step, shared))
+            reports.append(held_out(step))
             log(reports[-1].line())
         if step % settings.save_every == 0 or step == settings.steps:
             save()
@@ -249,13 +252,105 @@ def train_medusa(target, rows: list[list[int]], out: Path, settings: TrainSettin
     return reports
 
 
+def train_medusa(target, rows: list[list[int]], out: Path, settings: TrainSettings, *, resume: bool = False,
+                 features: list[Tensor] | None = None, log: Callable[[str], None] = print,
+                 progress: bool = True) -> list[HeldOut]:
+    """Train Medusa heads for ``target`` on ``rows``; write checkpoints and the heads to ``out``.
+    Returns the held-out reports, the untrained heads' first (step 0)."""
+    decoder = target.model
+    out.mkdir(parents=True, exist_ok=True)
+    if features is None:
+        features = [target_features(decoder, torch.tensor([r]))[0].to(torch.bfloat16) for r in rows]
+    held, train = _split(rows, settings)
+    weight = lm_head_weight(decoder).detach().float()
+    shared = None if settings.own_lm_heads else (lambda x: x @ weight.T)
+    torch.manual_seed(settings.seed)
+    heads = MedusaHeads(decoder.config.hidden_size, decoder.config.vocab_size, settings.num_heads,
+                        settings.num_layers, own_lm_heads=settings.own_lm_heads)
+    heads.init_from_target(weight)
+    held_feats, held_rows = [features[i] for i in held], [rows[i] for i in held]
+    return _fit(
+        heads, train, out, settings, resume=resume, log=log, progress=progress,
+        row_loss=lambda i: medusa_loss(heads, features[i].float()[None], torch.tensor([rows[i]]), shared_head=shared),
+        held_out=lambda step: evaluate(heads, held_feats, held_rows, step, shared),
+        write=lambda: save_medusa(heads, out, base_model=getattr(target, "name", "")))
+
+
+def new_eagle_head(decoder, rows: list[list[int]], settings: TrainSettings) -> Eagle3Head:
+    """An untrained EAGLE-3 head sized for ``decoder``: its hidden size, heads and RoPE, the
+    MLP width ``settings.intermediate_size`` (0: the target's), the draft vocabulary the most
+    frequent ``settings.draft_vocab_size`` tokens of the training rows, and the LM head
+    initialised from the target's rows for those tokens."""
+    c = decoder.config
+    d2t = choose_draft_vocab(rows, c.vocab_size, settings.draft_vocab_size)
+    config = EagleConfig(
+        hidden_size=c.hidden_size, intermediate_size=settings.intermediate_size or c.intermediate_size,
+        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
+        draft_vocab_size=len(d2t), target_hidden_size=c.hidden_size, aux_layers=default_aux_layers(c.num_layers),
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta)
+    torch.manual_seed(settings.seed)
+    head = Eagle3Head(config)
+    with torch.no_grad():
+        head.d2t.copy_(d2t)
+        head.lm_head.weight.copy_(lm_head_weight(decoder).detach().float()[head.target_ids(torch.arange(len(d2t)))])
+        head.norm.weight.copy_(decoder.norm.weight.float())
+    return head
+
+
+@torch.no_grad()
+def evaluate_eagle(head: Eagle3Head, features: list[Tensor], rows: list[list[int]], embed, step: int,
+                   steps: int) -> HeldOut:
+    """Held-out report for an EAGLE-3 head: each unrolled step's top-1 agreement with the token
+    it predicts, and the mean acceptance length of a greedy chain of ``steps`` drafts (1 + the
+    leading correct steps, per position)."""
+    correct, counted, lengths, losses = torch.zeros(steps), 0, [], []
+    for feats, row in zip(features, rows):
+        ids = torch.tensor([row])
+        emb = embed(ids).float()
+        losses.append(eagle_loss(head, feats.float()[None], ids, emb, steps).item())
+        hits = eagle_step_hits(head, feats.float()[None], ids, emb, steps)  # [steps, usable]
+        if hits.shape[1]:
+            correct += hits.sum(1).float()
+            counted += hits.shape[1]
+            lengths.append(1 + hits.int().cumprod(0).sum(0).float())
+    mal = torch.cat(lengths).mean().item() if lengths else 1.0
+    return HeldOut(step, sum(losses) / len(losses), tuple((correct / max(counted, 1)).tolist()), mal)
+
+
+def train_eagle(target, rows: list[list[int]], out: Path, settings: TrainSettings, *, resume: bool = False,
+                features: list[Tensor] | None = None, log: Callable[[str], None] = print,
+                progress: bool = True) -> list[HeldOut]:
+    """Train an EAGLE-3 head for ``target`` on ``rows`` (the training-time test unrolled
+    ``settings.ttt_steps`` steps); write checkpoints and the head (speculators layout) to ``out``."""
+    decoder = target.model
+    out.mkdir(parents=True, exist_ok=True)
+    head = new_eagle_head(decoder, rows, settings)
+    if features is None:
+        features = [target_eagle_features(decoder, torch.tensor([r]), head.config.aux_layers)[0].to(torch.bfloat16)
+                    for r in rows]
+    held, train = _split(rows, settings)
+
+    def embed(ids: Tensor) -> Tensor:
+        return decoder.embed(ids).float()
+
+    def row_loss(i: int) -> Tensor:
+        ids = torch.tensor([rows[i]])
+        return eagle_loss(head, features[i].float()[None], ids, embed(ids), settings.ttt_steps)
+
+    held_feats, held_rows = [features[i] for i in held], [rows[i] for i in held]
+    return _fit(
+        head, train, out, settings, resume=resume, log=log, progress=progress, row_loss=row_loss,
+        held_out=lambda step: evaluate_eagle(head, held_feats, held_rows, embed, step, settings.ttt_steps),
+        write=lambda: save_eagle(head, out, verifier=getattr(target, "name", ""),
+                                 speculative_tokens=settings.ttt_steps))
+
+
 def run(target_spec: str, method: str, data: Path, out: Path, settings: TrainSettings, *, resume: bool = False,
         quantization: str = "auto", log: Callable[[str], None] = print) -> list[HeldOut]:
     """``verispec train-drafter``: load the target, build or reuse the cached rows and features,
     train, write the heads."""
-    if method != "medusa":
-        raise ValueError(f"train-drafter --method {method}: only medusa is implemented so far "
-                         "(eagle heads are not yet)")
+    if method not in ("medusa", "eagle"):
+        raise ValueError(f"train-drafter --method {method}: choose medusa or eagle")
     if not data.is_file():
         raise FileNotFoundError(f"--data {data} does not exist")
     from verispec.models.loader import load_model
@@ -269,6 +364,11 @@ def run(target_spec: str, method: str, data: Path, out: Path, settings: TrainSet
                       settings.num_heads])
     rows = _cached(out / "data.pt", key, lambda: read_rows(target, data, settings, log))
     log(f"{len(rows)} rows, {sum(map(len, rows))} tokens")
-    features = _cached(out / "features.pt", key, lambda: [
-        target_features(target.model, torch.tensor([r]))[0].to(torch.bfloat16) for r in rows])
-    return train_medusa(target, rows, out, settings, resume=resume, features=features, log=log)
+    if method == "medusa":
+        features = _cached(out / "features.pt", key, lambda: [
+            target_features(target.model, torch.tensor([r]))[0].to(torch.bfloat16) for r in rows])
+        return train_medusa(target, rows, out, settings, resume=resume, features=features, log=log)
+    layers = default_aux_layers(target.model.config.num_layers)
+    features = _cached(out / "eagle_features.pt", json.dumps([key, list(layers)]), lambda: [
+        target_eagle_features(target.model, torch.tensor([r]), layers)[0].to(torch.bfloat16) for r in rows])
+    return train_eagle(target, rows, out, settings, resume=resume, features=features, log=log)
