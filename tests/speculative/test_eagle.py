@@ -77,6 +77,9 @@ def trained_head(decoder, draft_vocab: int | None = None, steps: int = 150, seed
     return head.requires_grad_(False)
 
 
+PROMPT_G = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]
+
+
 # ---- the drafter computes what training unrolls ------------------------------------------------
 
 
@@ -278,10 +281,30 @@ def test_static_trees_are_refused(tmp_path):
     assert drafter.hidden_layers == default_aux_layers(2)
 
 
+def test_the_head_runs_on_the_native_kernels_where_its_shapes_fit(tmp_path):
+    from verispec import kernels
+    from verispec.models.native import NativeLinear
+
+    if not kernels.available():
+        pytest.skip("no native kernels on this machine")
+    decoder = tiny_model(seed=1, dtype=torch.float32)
+    head = random_head(head_config(decoder, draft_vocab=40))
+    save_eagle(head, tmp_path)
+    drafter = build_drafter(SpeculativeConfig(method="eagle", model=str(tmp_path)), DrafterContext(loaded(decoder), 64))
+    native = {name for name in ("fc", "q_proj", "k_proj", "o_proj", "down_proj", "lm_head")
+              if isinstance(getattr(drafter.head, name), NativeLinear)}
+    assert native == {"fc", "q_proj", "k_proj", "o_proj", "down_proj"}  # 40 draft words: not a tile multiple
+    exact = build_drafter(SpeculativeConfig(method="eagle", model=str(tmp_path), quantization="none"),
+                          DrafterContext(loaded(decoder), 64))
+    assert not any(isinstance(m, NativeLinear) for m in exact.head.modules())
+    for drafter in (drafter, exact):  # Q8_0 weights change the drafts, never the output
+        params = SamplingParams(temperature=0.0, max_tokens=30)
+        spec = SpeculativeConfig(method="eagle", num_speculative_tokens=3, adaptive=False)
+        out = Engine(loaded(decoder), spec, max_model_len=64, drafter=drafter).generate(PROMPT_G, params)
+        assert out.output_ids == generate(decoder, params).output_ids
+
+
 # ---- losslessness ----------------------------------------------------------------------------------
-
-PROMPT_G = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]
-
 
 @pytest.fixture(scope="module")
 def greedy_models():
