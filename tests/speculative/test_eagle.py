@@ -297,6 +297,16 @@ def test_the_head_runs_on_the_native_kernels_where_its_shapes_fit(tmp_path):
     exact = build_drafter(SpeculativeConfig(method="eagle", model=str(tmp_path), quantization="none"),
                           DrafterContext(loaded(decoder), 64))
     assert not any(isinstance(m, NativeLinear) for m in exact.head.modules())
+    x, h, positions = torch.randn(1, 5, 64), torch.randn(1, 5, 64), torch.arange(5)[None]
+    logits = []
+    with torch.inference_mode():
+        for head in (drafter.head, exact.head):  # fused q/k/v and gate/up on the kernels, and float32
+            q, k, v, residual = head.qkv(x, h, positions)
+            attn = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                  is_causal=True)
+            logits.append(head.logits(head.finish(attn, residual)))
+    assert drafter.head.qkv_fused is not None and drafter.head.gate_up_fused is not None
+    assert ((logits[0] - logits[1]).norm() / logits[1].norm()).item() < 0.03  # Q8_0's rounding only
     for drafter in (drafter, exact):  # Q8_0 weights change the drafts, never the output
         params = SamplingParams(temperature=0.0, max_tokens=30)
         spec = SpeculativeConfig(method="eagle", num_speculative_tokens=3, adaptive=False)

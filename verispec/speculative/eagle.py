@@ -130,6 +130,9 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(h, c.rms_norm_eps)
         self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        # On the native kernels (quantize_head_): q/k/v as one product, gate/up as another.
+        self.qkv_fused: nn.Module | None = None
+        self.gate_up_fused: nn.Module | None = None
         d = c.head_dim
         self.register_buffer("inv_freq", 1.0 / (c.rope_theta ** (torch.arange(0, d, 2).float() / d)),
                              persistent=False)
@@ -147,9 +150,14 @@ class Eagle3Head(nn.Module):
             residual, hidden = hidden, self.hidden_norm(hidden)
         a = torch.cat([self.input_norm(embeds), hidden], dim=-1)  # [B, T, 2H]
         b, t, _ = a.shape
-        q = self.q_proj(a).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(a).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(a).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        if self.qkv_fused is not None:
+            q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            q, k, v = self.qkv_fused(a).split((q_out, kv_out, kv_out), dim=-1)
+        else:
+            q, k, v = self.q_proj(a), self.k_proj(a), self.v_proj(a)
+        q = q.view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+        k = k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         cos, sin = emb.cos(), emb.sin()
@@ -158,7 +166,11 @@ class Eagle3Head(nn.Module):
     def finish(self, attn: Tensor, residual: Tensor) -> Tensor:
         """attn ``[B, nh, T, D]``: the output state o ``[B, T, H]`` (pre-norm)."""
         b, _, t, _ = attn.shape
-        r = residual + self.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        attn = attn.transpose(1, 2).reshape(b, t, -1)
+        if self.gate_up_fused is not None:  # the kernels add the residuals, norm and gate themselves
+            r = self.o_proj(attn, residual=residual)
+            return self.down_proj(self.gate_up_fused(r, norm=self.post_attn_norm), glu=True, residual=r)
+        r = residual + self.o_proj(attn)
         x = self.post_attn_norm(r)
         return r + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -538,6 +550,12 @@ def quantize_head_(head: Eagle3Head) -> list[str]:
         bias = None if lin.bias is None else lin.bias.detach().float()
         setattr(head, name, NativeLinear([part], bias, None, float_output=True))
         done.append(name)
+    if {"q_proj", "k_proj", "v_proj"} <= set(done):
+        biases = [head.q_proj.bias, head.k_proj.bias, head.v_proj.bias]
+        head.qkv_fused = NativeLinear(head.q_proj.parts + head.k_proj.parts + head.v_proj.parts,
+                                      None if biases[0] is None else torch.cat(biases), None, float_output=True)
+    if {"gate_proj", "up_proj", "o_proj", "down_proj"} <= set(done):
+        head.gate_up_fused = NativeLinear(head.gate_proj.parts + head.up_proj.parts, None, None, float_output=True)
     return done
 
 
