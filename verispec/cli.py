@@ -407,6 +407,10 @@ def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
         t.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
                        help=f"{help_text} (default {getattr(d, name)})")
     t.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr})")
+    t.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                   help=f"steps over which the learning rate rises linearly to --lr (default {d.warmup_steps})")
+    t.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm,
+                   help=f"clip gradients to this norm, 0 for no clipping (default {d.max_grad_norm})")
     t.add_argument("--held-out", type=float, default=d.held_out,
                    help=f"fraction of rows never trained on, for the acceptance reports (default {d.held_out})")
     t.add_argument("--own-lm-heads", action="store_true",
@@ -426,7 +430,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                              max_new_tokens=args.max_new_tokens, held_out=args.held_out,
                              eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
                              own_lm_heads=args.own_lm_heads, ttt_steps=args.ttt_steps,
-                             draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size)
+                             draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
+                             warmup_steps=args.warmup_steps, max_grad_norm=args.max_grad_norm)
     set_threads(args.threads)
     reports = run(args.target, args.method, args.data, args.out, settings, resume=args.resume,
                   quantization=args.quantization)

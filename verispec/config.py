@@ -245,8 +245,15 @@ class TrainSettings:
     ttt_steps: int = 3
     draft_vocab_size: int = 32768
     intermediate_size: int = 0
+    # Both methods: the learning rate rises linearly over the first warmup_steps; gradients are
+    # clipped to max_grad_norm (0: not clipped).
+    warmup_steps: int = 0
+    max_grad_norm: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.max_grad_norm < 0:
+            raise ValueError(f"warmup_steps and max_grad_norm must be >= 0, got {self.warmup_steps}, "
+                             f"{self.max_grad_norm}")
         if self.intermediate_size < 0:
             raise ValueError(f"intermediate_size must be >= 0, got {self.intermediate_size}")
         for name in ("ttt_steps", "draft_vocab_size", "num_heads", "steps", "batch_size", "seq_len", "max_new_tokens", "eval_every", "save_every"):

@@ -107,6 +107,28 @@ def test_the_drafters_cache_reproduces_the_training_time_test():
                 torch.testing.assert_close(head.logits(out), unrolled[j][0, base], rtol=0, atol=1e-5)
 
 
+def test_rounds_without_drafts_queue_their_positions():
+    """The controller's plain rounds report back without a proposal in between: the head must
+    still read every committed position, in order."""
+    decoder = tiny_model(seed=1, layers=4, dtype=torch.float32)
+    head = random_head(head_config(decoder))
+    rows = torch.randint(48, (1, 20), generator=torch.Generator().manual_seed(1))
+    feats = target_eagle_features(decoder, rows, head.config.aux_layers)
+    with torch.no_grad():
+        step0 = eagle_unrolled(head, feats, rows, decoder.embed(rows).float(), 1)[0]
+    drafter = EagleDrafter(head, decoder.embed, 64)
+    seq = SimpleNamespace(slot=0, params=SamplingParams(temperature=0.0), target_hidden=feats[0, :8],
+                          token_ids=rows[0, :9].tolist())
+    drafter.start(seq)
+    drafter.propose(seq, 2)
+    for end in (10, 11, 14):  # three rounds' commits (2, 1 and 3 tokens), one proposal after them
+        seq.target_hidden, seq.token_ids = feats[0, len(seq.token_ids) - 1 : end], rows[0, : end + 1].tolist()
+        drafter.feedback(seq, None)
+    drafter.propose(seq, 1)
+    assert drafter.cache.length(0) == 14
+    torch.testing.assert_close(drafter._last[0][0], step0[0, 13], rtol=0, atol=1e-5)
+
+
 # ---- checkpoints -----------------------------------------------------------------------------------
 
 
@@ -408,7 +430,8 @@ def tiny_training(tmp_path, steps: int, resume: bool = False):
             layer.o_proj.weight.zero_()
     rows = sampled_rows(decoder, 40, 24, seed=3, greedy=True).tolist()
     settings = TrainSettings(steps=steps, batch_size=8, lr=1e-2, seq_len=24, eval_every=20, save_every=20,
-                             held_out=0.25, ttt_steps=3, draft_vocab_size=40, intermediate_size=96)
+                             held_out=0.25, ttt_steps=3, draft_vocab_size=40, intermediate_size=96,
+                             warmup_steps=5, max_grad_norm=1.0)
     return train_eagle(loaded(decoder), rows, tmp_path, settings, resume=resume, log=lambda _: None,
                        progress=False), decoder
 

@@ -401,6 +401,7 @@ class EagleDrafter:
     def start(self, seq: Sequence) -> None:
         self.cache.reset(seq.slot)
         self._committed[seq.slot] = 0
+        self._pending.pop(seq.slot, None)
         self._stash(seq)
 
     def feedback(self, seq: Sequence, outcome: Outcome) -> None:
@@ -412,8 +413,14 @@ class EagleDrafter:
             state.pop(seq.slot, None)
 
     def _stash(self, seq: Sequence) -> None:
+        """Queue the new pairs; a round without drafts (the controller's plain rounds) adds to
+        the queue rather than replacing it, so no committed position is ever skipped."""
         feats = seq.target_hidden  # [n, F]: row i is the input whose logits gave the i-th new token
-        self._pending[seq.slot] = (feats, seq.token_ids[-len(feats):])
+        tokens = seq.token_ids[-len(feats):]
+        queued = self._pending.get(seq.slot)
+        if queued is not None:
+            feats, tokens = torch.cat([queued[0], feats]), queued[1] + tokens
+        self._pending[seq.slot] = (feats, tokens)
 
     @torch.inference_mode()
     def propose(self, seq: Sequence, k: int) -> Proposal:

@@ -53,7 +53,7 @@ ANSWER_BATCH = 8  # prompts answered at once
 
 # What a resumed run must share with the checkpoint (steps and reporting may change).
 RESUME_KEYS = ("num_heads", "num_layers", "batch_size", "lr", "seq_len", "max_new_tokens", "held_out", "seed",
-               "own_lm_heads", "ttt_steps", "draft_vocab_size", "intermediate_size")
+               "own_lm_heads", "ttt_steps", "draft_vocab_size", "intermediate_size", "warmup_steps", "max_grad_norm")
 
 
 @dataclass(frozen=True)
@@ -212,7 +212,8 @@ def _fit(module: torch.nn.Module, train: list[int], out: Path, settings: TrainSe
     """The loop both methods share: AdamW over random batches of the ``train`` rows (one row's
     loss at a time, its gradient accumulated), held-out reports, checkpoints and ``--resume``
     (bit-identical to an uninterrupted run: the optimizer and the batch sampler's state are saved)."""
-    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=settings.lr, weight_decay=0.0)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
     gen = random.Random(settings.seed + 1)
     step = 0
     checkpoint = out / "checkpoint.pt"
@@ -250,6 +251,11 @@ def _fit(module: torch.nn.Module, train: list[int], out: Path, settings: TrainSe
             one = row_loss(i) / len(batch)
             one.backward()
             loss += one.item()
+        if settings.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+        for group in opt.param_groups:  # linear warm-up, a function of the step (resumes alike)
+            group["lr"] = settings.lr * min(1.0, (step + 1) / settings.warmup_steps) if settings.warmup_steps \
+                else settings.lr
         opt.step()
         step += 1
         if bar is not None:
