@@ -16,6 +16,13 @@ PROMPTS = [
     "Explain what a hash map is and give a short example in Python.",
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+# A few lines of train-drafter data (self-distilled prompts, chat messages, plain text).
+TRAIN_DRAFTER_LINES = [
+    {"prompt": "Write a Python function that adds two numbers."},
+    {"messages": [{"role": "user", "content": "List three primary colours."}]},
+    {"prompt": "Explain recursion in one sentence."},
+    {"text": "def square(x):\n    return x * x\n\n" * 8},
+]
 MAX_MODEL_LEN = 1024
 
 

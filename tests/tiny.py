@@ -65,3 +65,21 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def sampled_rows(decoder, n: int, length: int, seed: int, greedy: bool = False) -> torch.Tensor:
+    """``n`` sequences from ``decoder`` after random two-token prompts: sampled at T = 1, or
+    greedy (the target's own answers, what self-distillation trains on)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = decoder.config.vocab_size
+    rows = torch.randint(vocab, (n, 2), generator=gen)
+    cache = decoder.new_cache(length, num_slots=n)
+    logits = decoder(rows, torch.arange(2).expand(n, -1), cache, num_logits=1)
+    while rows.shape[1] < length:
+        if greedy:
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+        else:
+            nxt = torch.multinomial(torch.softmax(logits[:, -1].float(), -1), 1, generator=gen)
+        rows = torch.cat([rows, nxt], dim=1)
+        logits = decoder(nxt, torch.full((n, 1), rows.shape[1] - 1), cache)
+    return rows

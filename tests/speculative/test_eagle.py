@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 import verispec.speculative.verify as verify_module
 from distribution import PROMPT, SETTINGS, VOCAB, exact_joint, goodness_of_fit, passes, sample_counts
-from tiny import loaded, tiny_model, torch_threads
+from tiny import loaded, sampled_rows, tiny_model, torch_threads
 from verispec.config import SamplingParams, SpeculativeConfig, TrainSettings
 from verispec.engine.engine import Engine
 from verispec.speculative.base import DrafterContext, build_drafter
@@ -41,22 +41,6 @@ def random_head(config: EagleConfig, seed: int = 0) -> Eagle3Head:
         for name, p in head.named_parameters():
             p.copy_(1 + 0.1 * torch.randn(p.shape) if "norm" in name else 0.2 * torch.randn(p.shape))
     return head
-
-
-def sampled_rows(decoder, n: int, length: int, seed: int, greedy: bool = False) -> torch.Tensor:
-    """``n`` sequences from ``decoder`` after random two-token prompts (T = 1, or greedy)."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = torch.randint(decoder.config.vocab_size, (n, 2), generator=gen)
-    cache = decoder.new_cache(length, num_slots=n)
-    logits = decoder(rows, torch.arange(2).expand(n, -1), cache, num_logits=1)
-    while rows.shape[1] < length:
-        if greedy:
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-        else:
-            nxt = torch.multinomial(torch.softmax(logits[:, -1].float(), -1), 1, generator=gen)
-        rows = torch.cat([rows, nxt], dim=1)
-        logits = decoder(nxt, torch.full((n, 1), rows.shape[1] - 1), cache)
-    return rows
 
 
 def trained_head(decoder, draft_vocab: int | None = None, steps: int = 150, seed: int = 0) -> Eagle3Head:

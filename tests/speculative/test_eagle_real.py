@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from realmodels import GREEDY, MAX_MODEL_LEN, PROMPTS, prompt_ids
+from realmodels import GREEDY, MAX_MODEL_LEN, PROMPTS, TRAIN_DRAFTER_LINES, prompt_ids
 from verispec.cli import main
 from verispec.config import SpeculativeConfig
 from verispec.engine.engine import Engine
@@ -26,11 +26,7 @@ ARGS = ["--target", "smollm2-135m-instruct", "--method", "eagle", "--batch-size"
 def head_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("eagle")
     data = out / "prompts.jsonl"
-    lines = [{"prompt": "Write a Python function that adds two numbers."},
-             {"messages": [{"role": "user", "content": "List three primary colours."}]},
-             {"prompt": "Explain recursion in one sentence."},
-             {"text": "def square(x):\n    return x * x\n\n" * 8}]
-    data.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    data.write_text("\n".join(json.dumps(line) for line in TRAIN_DRAFTER_LINES) + "\n")
     assert main(["train-drafter", *ARGS, "--data", str(data), "--out", str(out), "--steps", "6"]) == 0
     return out
 

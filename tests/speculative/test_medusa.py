@@ -11,7 +11,7 @@ import torch
 
 import verispec.speculative.verify as verify_module
 from distribution import PROMPT, SETTINGS, VOCAB, exact_joint, goodness_of_fit, passes, sample_counts
-from tiny import loaded, tiny_model, torch_threads
+from tiny import loaded, sampled_rows, tiny_model, torch_threads
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
 from verispec.speculative.base import DrafterContext, build_drafter
@@ -24,24 +24,6 @@ from verispec.speculative.tree import Tree
 def one_thread():
     with torch_threads(1):  # tiny models run fastest on one thread
         yield
-
-
-def sampled_rows(decoder, n: int, length: int, seed: int, greedy: bool = False) -> torch.Tensor:
-    """``n`` sequences from ``decoder`` after random two-token prompts: sampled at T = 1, or
-    greedy (the target's own answers, what self-distillation trains on)."""
-    gen = torch.Generator().manual_seed(seed)
-    vocab = decoder.config.vocab_size
-    rows = torch.randint(vocab, (n, 2), generator=gen)
-    cache = decoder.new_cache(length, num_slots=n)
-    logits = decoder(rows, torch.arange(2).expand(n, -1), cache, num_logits=1)
-    while rows.shape[1] < length:
-        if greedy:
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-        else:
-            nxt = torch.multinomial(torch.softmax(logits[:, -1].float(), -1), 1, generator=gen)
-        rows = torch.cat([rows, nxt], dim=1)
-        logits = decoder(nxt, torch.full((n, 1), rows.shape[1] - 1), cache)
-    return rows
 
 
 def trained_heads(decoder, num_heads: int = 3, steps: int = 150, seed: int = 0) -> MedusaHeads:

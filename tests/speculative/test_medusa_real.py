@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from realmodels import GREEDY, MAX_MODEL_LEN, PROMPTS, prompt_ids
+from realmodels import GREEDY, MAX_MODEL_LEN, PROMPTS, TRAIN_DRAFTER_LINES, prompt_ids
 from verispec.cli import main
 from verispec.config import SpeculativeConfig
 from verispec.engine.engine import Engine
@@ -20,11 +20,7 @@ pytestmark = pytest.mark.slow
 def heads_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("medusa")
     data = out / "prompts.jsonl"
-    lines = [{"prompt": "Write a Python function that adds two numbers."},
-             {"messages": [{"role": "user", "content": "List three primary colours."}]},
-             {"prompt": "Explain recursion in one sentence."},
-             {"text": "def square(x):\n    return x * x\n\n" * 8}]
-    data.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    data.write_text("\n".join(json.dumps(line) for line in TRAIN_DRAFTER_LINES) + "\n")
     argv = ["train-drafter", "--target", "smollm2-135m-instruct", "--method", "medusa", "--data", str(data),
             "--out", str(out), "--steps", "6", "--batch-size", "2", "--seq-len", "96", "--max-new-tokens", "32",
             "--num-heads", "3", "--eval-every", "3", "--save-every", "3", "--held-out", "0.25", "--threads", "2"]
