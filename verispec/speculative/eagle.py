@@ -69,7 +69,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from verispec.engine.sequence import Sequence
-from verispec.models.decoder import RMSNorm, grouped_attention
+from verispec.models.decoder import RMSNorm, _rotate_half, grouped_attention
 from verispec.models.kv_cache import KVCache
 from verispec.sampling import logits_to_probs
 from verispec.speculative.base import DrafterContext, Outcome, Proposal, register_drafter
@@ -191,8 +191,7 @@ class Eagle3Head(nn.Module):
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return x * cos + _rotate_half(x) * sin  # as the target's layers apply it
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------
@@ -672,14 +671,20 @@ def eagle_unrolled(head: Eagle3Head, features: Tensor, rows: Tensor, embeds: Ten
 
 def eagle_loss(head: Eagle3Head, features: Tensor, rows: Tensor, embeds: Tensor, steps: int = 3,
                decay: float = 0.8) -> Tensor:
-    """Cross-entropy of every unrolled step on the token it predicts, weighted ``decay**j``;
-    target tokens outside the draft vocabulary are left out (the head cannot propose them)."""
+    """Cross-entropy of every unrolled step on the token it predicts, weighted ``decay**j``
+    (:func:`unrolled_loss` of :func:`eagle_unrolled`)."""
+    return unrolled_loss(head, eagle_unrolled(head, features, rows, embeds, steps), rows, decay)
+
+
+def unrolled_loss(head: Eagle3Head, unrolled: list[Tensor], rows: Tensor, decay: float = 0.8) -> Tensor:
+    """:func:`eagle_loss` from the unrolled logits; target tokens outside the draft vocabulary
+    are left out (the head cannot propose them)."""
     c = head.config
     to_draft = torch.full((c.vocab_size,), -100, dtype=torch.long, device=rows.device)
     to_draft[head.target_ids(torch.arange(c.draft_vocab_size, device=rows.device))] = torch.arange(
         c.draft_vocab_size, device=rows.device)
-    total = features.new_zeros(())
-    for j, logits in enumerate(eagle_unrolled(head, features, rows, embeds, steps)):
+    total = unrolled[0].new_zeros(()) if unrolled else torch.zeros(())
+    for j, logits in enumerate(unrolled):
         n = logits.shape[1] - 1  # the last base position has no token j + 2 places ahead
         if n < 1:
             break
@@ -691,10 +696,10 @@ def eagle_loss(head: Eagle3Head, features: Tensor, rows: Tensor, embeds: Tensor,
 
 
 @torch.no_grad()
-def eagle_step_hits(head: Eagle3Head, features: Tensor, rows: Tensor, embeds: Tensor, steps: int) -> Tensor:
+def eagle_step_hits(head: Eagle3Head, logits: list[Tensor], rows: Tensor, steps: int) -> Tensor:
     """``[steps, usable]`` bool: whether unrolled step j's top token at base t is x_{t+j+2}, for
-    the base positions where every step's token exists (one row)."""
-    logits = eagle_unrolled(head, features, rows, embeds, steps)
+    the base positions where every step's token exists (one row; ``logits`` from
+    :func:`eagle_unrolled`)."""
     usable = rows.shape[1] - steps - 1
     if usable <= 0:
         return torch.zeros(steps, 0, dtype=torch.bool)

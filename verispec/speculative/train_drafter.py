@@ -45,7 +45,8 @@ from torch import Tensor
 
 from verispec.config import TrainSettings
 from verispec.speculative.eagle import (Eagle3Head, EagleConfig, choose_draft_vocab, default_aux_layers, eagle_loss,
-                                        eagle_step_hits, save_eagle, target_eagle_features)
+                                        eagle_step_hits, eagle_unrolled, save_eagle, target_eagle_features,
+                                        unrolled_loss)
 from verispec.speculative.medusa import MedusaHeads, medusa_loss, save_medusa, target_features
 
 
@@ -327,8 +328,9 @@ def evaluate_eagle(head: Eagle3Head, features: list[Tensor], rows: list[list[int
     for feats, row in zip(features, rows):
         ids = torch.tensor([row])
         emb = embed(ids).float()
-        losses.append(eagle_loss(head, feats.float()[None], ids, emb, steps).item())
-        hits = eagle_step_hits(head, feats.float()[None], ids, emb, steps)  # [steps, usable]
+        unrolled = eagle_unrolled(head, feats.float()[None], ids, emb, steps)  # one pass for both figures
+        losses.append(unrolled_loss(head, unrolled, ids).item())
+        hits = eagle_step_hits(head, unrolled, ids, steps)  # [steps, usable]
         if hits.shape[1]:
             correct += hits.sum(1).float()
             counted += hits.shape[1]
