@@ -275,3 +275,21 @@ def test_qkv_rope_equals_the_decoders_pytorch_form():
     assert torch.equal(q, tq * cos + _rotate_half(tq) * sin)
     assert torch.equal(k, tk * cos + _rotate_half(tk) * sin)
     assert torch.equal(v, tv)
+
+
+@needs_kernels
+def test_max_isa_caps_the_default_path_without_changing_bits():
+    """``set_max_isa`` (``VERISPEC_ISA``) stops the default choice at a slower path: the same
+    bits; an unknown or unsupported name is a clear error."""
+    n, k = 32, 512
+    w = kernels.repack(FORMATS["Q4_K"], random_blocks("Q4_K", n, k, seed=5), n, k)
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(6))
+    fast = kernels.matmul(x, [w])
+    try:
+        for isa in kernels.supported_isas():
+            kernels.set_max_isa(isa)
+            assert torch.equal(kernels.matmul(x, [w]), fast), isa
+    finally:
+        kernels.set_max_isa(None)
+    with pytest.raises(KernelError, match="this CPU runs the kernel paths"):
+        kernels.set_max_isa("avx1024")

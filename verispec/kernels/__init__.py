@@ -10,8 +10,8 @@ dense; ``VERISPEC_NATIVE=0`` asks for that without trying.
 Contract (stated in full in ``csrc/qgemm.h``): activations are quantized per row in blocks, dot
 products are exact int32 sums, and every output is one fp32 accumulation in a fixed order, with
 threads splitting output columns only. So a row's result is bit-identical whatever the number of
-rows beside it, the thread count and the ISA path (``scalar``, ``avx2``, ``avx512`` with VNNI,
-``amx`` with AMX-INT8 tiles); the tests check every path the CPU has against the scalar one for
+rows beside it, the thread count and the ISA path (``scalar``, ``avx2``, ``avxvnni`` (AVX2 with
+the 256-bit VNNI dot product), ``avx512`` with VNNI, ``amx`` with AMX-INT8 tiles); the tests check every path the CPU has against the scalar one for
 M = 1..16 (and 23 and 33) rows and 1 or 2 threads. By default a call takes the fastest path for
 its row count (AMX only for wide passes, see ``csrc/ops.cpp``). The weights are the file's
 own: :func:`dequantize` of a packed weight equals ``gguf.quants.dequantize`` of its blocks bit
@@ -36,13 +36,13 @@ import torch
 from torch import Tensor
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ref.cpp", "avx2.cpp", "avx512.cpp", "amx.cpp", "attention.cpp", "pool.cpp", "ops.cpp")
+SOURCES = ("ref.cpp", "avx2.cpp", "avxvnni.cpp", "avx512.cpp", "amx.cpp", "attention.cpp", "pool.cpp", "ops.cpp")
 # -fopenmp: at::parallel_for is a header template that is serial unless compiled with OpenMP; it
 # then runs on torch's own OpenMP threads. -ffp-contract=off: the scalar reference's multiplies
 # and adds stay as written, so the SIMD paths can match it bit for bit.
 CFLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp")
-HEADERS = ("qgemm.h", "scales512.h", "pool.h")
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "amx": 3}
+HEADERS = ("qgemm.h", "ymm_kernel.h", "scales512.h", "pool.h")
+ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 4, "avx512": 2, "amx": 3}
 # ggml type ids of the formats the kernels run (GGMLQuantizationType values)
 FORMATS = {"Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 TILE = 16  # output columns per packed tile
@@ -96,7 +96,7 @@ def native():
     if fresh:
         print("verispec: compiling the native CPU kernels (once, about a minute)...", file=sys.stderr, flush=True)
     try:
-        return cpp_extension.load(
+        lib = cpp_extension.load(
             name="verispec_kernels",
             sources=[str(CSRC / s) for s in SOURCES],
             extra_cflags=list(CFLAGS),
@@ -115,6 +115,28 @@ def native():
             stacklevel=2,
         )
         return None
+    cap = os.environ.get("VERISPEC_ISA", "").strip().lower()
+    if cap:
+        _set_max_isa(lib, cap, "VERISPEC_ISA")
+    return lib
+
+
+def _set_max_isa(lib, name: str | None, what: str) -> None:
+    if name is None:
+        lib.set_max_isa(-1)
+        return
+    have = [n for n, i in ISAS.items() if i in lib.supported_isas()]
+    if name not in have:
+        raise KernelError(f"{what}={name!r}: this CPU runs the kernel paths {', '.join(have)}")
+    lib.set_max_isa(ISAS[name])
+
+
+def set_max_isa(name: str | None) -> None:
+    """Make the kernels' default choice stop at path ``name`` (``scalar``, ``avx2``,
+    ``avxvnni``, ``avx512``, ``amx``), as on a CPU without the faster ones; None lifts the cap.
+    The environment variable ``VERISPEC_ISA`` sets it for a process. Results are the same bits on
+    every path; only the speed changes."""
+    _set_max_isa(_lib(), None if name is None else name.strip().lower(), "max ISA")
 
 
 def available() -> bool:
@@ -217,7 +239,7 @@ def matmul(x: Tensor, weights: list[PackedWeight], isa: str | None = None, *, bi
     memory traffic in a decode step.
 
     Activations are quantized once, for all the weights, and one parallel region covers all
-    their tiles. ``isa`` forces a path (``scalar``, ``avx2``, ``avx512``, ``amx``; tests use it);
+    their tiles. ``isa`` forces a path (``scalar``, ``avx2``, ``avxvnni``, ``avx512``, ``amx``; tests use it);
     None picks the fastest this CPU runs for the row count.
     """
     if x.dim() != 2:

@@ -11,6 +11,10 @@ Sections:
 * ``shapes``: every linear layer shape of the model, on the file's own weights, at M rows:
   time(M) / time(1), and at M = 1 the weight bytes read per second and their share of the
   bandwidth.
+* ``paths``: every ISA path the CPU has (``avx2``, ``avxvnni``, ``avx512``, ``amx``; not the
+  scalar reference), forced on each layer shape at 1 and 9 rows: milliseconds per call, and each
+  path's time against the default path's in the same repeat. It shows what a machine with only
+  the smaller instruction sets gets (all paths give the same bits).
 * ``model``: the whole model on a short chat prompt: a pass of T positions against a decode
   step (T = 1), batch-8 decode throughput against batch 1, and a 700-token prompt's prefill
   (each pass timed right after an untimed one of its own, see ``interleaved``).
@@ -93,7 +97,8 @@ def read_bandwidth(repeats: int) -> float:
     return big.numel() * 4 / statistics.median(t)
 
 
-def bench_shapes(model, repeats: int, bandwidth: float) -> list[dict]:
+def _layer_groups(model) -> dict:
+    """The model's native linear layers by kind and formats, in layer order."""
     from verispec.models.native import NativeLinear
 
     # Every layer of a kind, grouped by its formats (Q4_K_M alternates the down projection's):
@@ -108,8 +113,12 @@ def bench_shapes(model, repeats: int, bandwidth: float) -> list[dict]:
                 groups.setdefault(key, []).append(lin)
     if isinstance(model.lm_head, NativeLinear):
         groups[("lm_head", kernels.format_name(model.lm_head.parts[0].fmt))] = [model.lm_head]
+    return groups
+
+
+def bench_shapes(model, repeats: int, bandwidth: float) -> list[dict]:
     rows = []
-    for (name, types), layers in groups.items():
+    for (name, types), layers in _layer_groups(model).items():
         lin = layers[0]
         turn = iter(range(10**9))
         xs = {m: torch.randn(m, lin.in_features) for m in ROWS}
@@ -254,13 +263,40 @@ def _fmt(r: tuple[float, float, float]) -> str:
     return f"{r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f})"
 
 
+PATH_ROWS = (1, 9)
+
+
+def bench_paths(model, repeats: int) -> list[dict]:
+    """Each layer shape on every SIMD path at ``PATH_ROWS`` rows, interleaved (see
+    ``bench_shapes`` for how layers take turns)."""
+    isas = [i for i in kernels.supported_isas() if i != "scalar"]
+    out = []
+    for (name, types), layers in _layer_groups(model).items():
+        lin = layers[0]
+        turn = iter(range(10**9))
+        xs = {m: torch.randn(m, lin.in_features) for m in PATH_ROWS}
+        configs = {}
+        for m in PATH_ROWS:
+            configs[f"default {m}"] = lambda m=m: kernels.matmul(xs[m], layers[next(turn) % len(layers)].parts)
+            for isa in isas:
+                configs[f"{isa} {m}"] = lambda m=m, isa=isa: kernels.matmul(
+                    xs[m], layers[next(turn) % len(layers)].parts, isa)
+        times = interleaved(configs, repeats)
+        out.append({
+            "layer": name, "shape": f"{lin.out_features}x{lin.in_features}", "types": types,
+            "ms": {f"{isa} {m}": statistics.median(times[f"{isa} {m}"]) * 1e3 for isa in isas for m in PATH_ROWS},
+            "vs_default": {f"{isa} {m}": ratio(times, f"{isa} {m}", f"default {m}") for isa in isas for m in PATH_ROWS},
+        })
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="verispec bench kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a bundled model or GGUF file")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--sections", default="bandwidth,shapes,model,llama", help="comma-separated subset")
+    p.add_argument("--sections", default="bandwidth,shapes,paths,model,llama", help="comma-separated subset")
     args = p.parse_args(argv)
     from verispec.models.loader import load_model
     from verispec.models.native import is_native
@@ -282,6 +318,16 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             print(f"| {r['layer']} | {r['shape']} | {r['types']} | {r['t1_ms']:.3f} | {r['gbps']:.1f} | "
                   f"{r['bw_share']:.0%} | " + " | ".join(_fmt(r["ratios"][m]) for m in ROWS[1:]) + " |")
+    if "paths" in sections:
+        prow = bench_paths(loaded.model, args.repeats)
+        result["paths"] = prow
+        keys = list(prow[0]["ms"]) if prow else []
+        print("\nms per call on each ISA path, and (its time / the default path's) in the same repeats:")
+        print("| layer | types | " + " | ".join(keys) + " |")
+        print("|---" * (2 + len(keys)) + "|")
+        for r in prow:
+            print(f"| {r['layer']} | {r['types']} | "
+                  + " | ".join(f"{r['ms'][k]:.3f} ({r['vs_default'][k][0]:.2f})" for k in keys) + " |")
     if "model" in sections:
         m = bench_model(loaded, args.repeats)
         result["model_passes"] = m

@@ -25,7 +25,7 @@ namespace {
 constexpr int64_t kPrefetchAhead = 2;  // kernel calls (superblocks, or groups of the 32-wide ones)
 constexpr int64_t kGroup = 8;          // 32-wide superblocks per kernel call
 
-enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3, kAvxVnni = 4 };
 
 // AMX needs the CPU's AMX-TILE and AMX-INT8 bits and the kernel's leave to use the tile state
 // (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), asked once per process.
@@ -45,6 +45,7 @@ bool isa_supported(int isa) {
     case kScalar: return true;
     case kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case kAvxVnni: return isa_supported(kAvx2) && __builtin_cpu_supports("avxvnni");
     case kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && isa_supported(kAvx2);
@@ -58,9 +59,27 @@ bool isa_supported(int isa) {
 // faster up to 9 rows and AMX faster at 16 (docs/kernels.md).
 constexpr int64_t kAmxMinRows = 16;
 
+// The paths by speed, and the fastest one a call may take by default (set_max_isa; -1: any).
+int speed_rank(int isa) {
+  switch (isa) {
+    case kAvx2: return 1;
+    case kAvxVnni: return 2;
+    case kAvx512: return 3;
+    case kAmx: return 4;
+    default: return 0;
+  }
+}
+int g_max_isa = -1;
+
+bool default_may_use(int isa) {
+  return isa_supported(isa) && (g_max_isa < 0 || speed_rank(isa) <= speed_rank(g_max_isa));
+}
+
 int best_isa(int64_t m) {
-  if (m >= kAmxMinRows && isa_supported(kAmx)) return kAmx;
-  return isa_supported(kAvx512) ? kAvx512 : isa_supported(kAvx2) ? kAvx2 : kScalar;
+  if (m >= kAmxMinRows && default_may_use(kAmx)) return kAmx;
+  for (int isa : {kAvx512, kAvxVnni, kAvx2})
+    if (default_may_use(isa)) return isa;
+  return kScalar;
 }
 
 SuperblockFn kernel_for(int isa) {
@@ -68,6 +87,7 @@ SuperblockFn kernel_for(int isa) {
   switch (isa) {
     case kAmx: return superblock_amx;
     case kAvx512: return superblock_avx512;
+    case kAvxVnni: return superblock_avxvnni;
     case kAvx2: return superblock_avx2;
     default: return superblock_scalar;
   }
@@ -310,9 +330,16 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
   return out;
 }
 
+// The fastest path calls take by default (what a CPU with fewer instruction sets would run);
+// -1 lifts the cap. Results are the same bits on every path; only the speed changes.
+void set_max_isa(int64_t isa) {
+  TORCH_CHECK(isa < 0 || isa_supported((int)isa), "ISA path ", isa, " is not supported by this CPU");
+  g_max_isa = (int)isa;
+}
+
 std::vector<int64_t> supported_isas() {
   std::vector<int64_t> out;
-  for (int isa : {kScalar, kAvx2, kAvx512, kAmx})
+  for (int isa : {kScalar, kAvx2, kAvxVnni, kAvx512, kAmx})  // slowest first
     if (isa_supported(isa)) out.push_back(isa);
   return out;
 }
@@ -332,4 +359,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &verispec::dequantize, "packed tiles -> float32 weight, as gguf dequantizes");
   m.def("linear", &verispec::linear, "x @ W.T (+ bias) over packed parts");
   m.def("supported_isas", &verispec::supported_isas);
+  m.def("set_max_isa", &verispec::set_max_isa);
 }

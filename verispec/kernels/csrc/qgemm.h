@@ -138,6 +138,7 @@ using SuperblockFn = void (*)(int fmt, const FormatInfo& f, const uint8_t* tile,
                               int64_t s, int count, float* acc);
 void superblock_scalar(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, int count, float* acc);
 void superblock_avx2(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, int count, float* acc);
+void superblock_avxvnni(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, int count, float* acc);
 void superblock_avx512(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s, int count, float* acc);
 // AMX: the calling thread must have run amx_configure with the format's sub size (and runs
 // amx_release when done).

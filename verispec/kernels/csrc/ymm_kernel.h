@@ -1,0 +1,186 @@
+// The 256-bit kernel body shared by the AVX2 path (avx2.cpp) and the AVX-VNNI one (avxvnni.cpp):
+// a 64-byte group is two ymm, columns 0-7 and 8-15, read straight from the packed tile (nibbles
+// and high bits joined in registers, as the AVX512 path does), and used for a block of up to 4
+// rows; per row and group one dot product of u8 weights with s8 activations into int32 column
+// lanes, and per sub the fp32 steps of the contract (qgemm.h), on accumulators kept in the
+// caller's acc (L1). Signed weights (Q8_0) move their signs onto the activations with vpsignb.
+//
+// The including file sets the instruction set (#pragma GCC target) and defines, before the
+// include, dot_u8s8(acc, w, x): acc plus, in each int32 lane, the sum of its four u8 x s8
+// products. Both definitions give the same int32. AVX2's maddubs first adds two products into an
+// int16, which cannot saturate here: stored weights are at most 63 (Q6_K) or 128 in magnitude
+// (Q8_0) and activations at most 127, so a pair is at most 32512. VNNI's vpdpbusd adds all four
+// into the int32 at once. Everything here is static, so each file gets its own copy compiled for
+// its own instructions.
+#ifndef VERISPEC_YMM_KERNEL_H_
+#define VERISPEC_YMM_KERNEL_H_
+
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "qgemm.h"
+
+namespace verispec {
+
+// dl and ml of every sub of one tile superblock, one lane per column in two halves of 8 (the
+// definitions are dl_of and ml_of in ref.cpp; the same fp32 products).
+static inline __m256 u8_as_float(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+static inline __m256 i8_as_float(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+static void unpack_scales(int fmt, const FormatInfo& f, const uint8_t* tile, Unpacked* u) {
+  const uint8_t* s = tile + f.weight_bytes();
+  const uint16_t* d16 = (const uint16_t*)(s + f.scale_bytes());
+  for (int h = 0; h < 2; ++h) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 8 * h)));
+    switch (fmt) {
+      case Q4_K: {
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 16 + 8 * h)));
+        for (int j = 0; j < 8; ++j) {
+          _mm256_store_ps(u->dl[j] + 8 * h, _mm256_mul_ps(d, u8_as_float(s + 16 * j + 8 * h)));
+          _mm256_store_ps(u->ml[j] + 8 * h, _mm256_mul_ps(dmin, u8_as_float(s + 16 * (8 + j) + 8 * h)));
+        }
+        break;
+      }
+      case Q6_K:
+        for (int j = 0; j < 16; ++j) _mm256_store_ps(u->dl[j] + 8 * h, _mm256_mul_ps(d, i8_as_float(s + 16 * j + 8 * h)));
+        break;
+      case Q4_1: {  // ml = -m by flipping the sign bit, as the scalar negation does
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 16 + 8 * h)));
+        _mm256_store_si256((__m256i*)(u->ml[0] + 8 * h),
+                           _mm256_xor_si256(_mm256_castps_si256(m), _mm256_set1_epi32(INT32_MIN)));
+        _mm256_store_ps(u->dl[0] + 8 * h, d);
+        break;
+      }
+      default:
+        _mm256_store_ps(u->dl[0] + 8 * h, d);
+    }
+  }
+}
+
+// Four activation bytes in every 32-bit lane, as one load-port broadcast.
+static inline __m256i bcast4(const int8_t* p) { return _mm256_castps_si256(_mm256_broadcast_ss((const float*)p)); }
+
+// The weights of group g of a tile superblock (G groups), columns 0-7 in w[0] and 8-15 in w[1],
+// as the dot product's unsigned operand (Q8_0: the magnitudes, the signs in sg). GI: the group's
+// place in its high block, g % (8 / HB), a constant so that the shifts are immediates.
+template <bool NIB, int HB, bool SIGNED, int G, int GI>
+static inline void group_weights(const uint8_t* tile, int g, __m256i* w, __m256i* sg) {
+  if constexpr (NIB || HB) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int half = 0; half < 2; ++half) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(tile + 64 * (g / 2) + 32 * half));
+      w[half] = _mm256_and_si256(GI % 2 ? _mm256_srli_epi16(v, 4) : v, low);  // GI % 2 == g % 2
+      if constexpr (HB > 0) {
+        constexpr int sh = 4 - HB * GI;
+        const __m256i h = _mm256_loadu_si256((const __m256i*)(tile + G / 2 * 64 + 64 * (g / (8 / HB)) + 32 * half));
+        const __m256i hs = sh > 0 ? _mm256_slli_epi16(h, sh) : sh < 0 ? _mm256_srli_epi16(h, -sh) : h;
+        w[half] = _mm256_or_si256(w[half], _mm256_and_si256(hs, _mm256_set1_epi8((char)(((1 << HB) - 1) << 4))));
+      }
+    }
+  } else {
+    static_assert(SIGNED, "Q8_0 is the one 8-bit format");
+    for (int half = 0; half < 2; ++half) {
+      sg[half] = _mm256_loadu_si256((const __m256i*)(tile + 64 * g + 32 * half));
+      w[half] = _mm256_abs_epi8(sg[half]);
+    }
+  }
+}
+
+// R rows (R <= 4) against count consecutive tile superblocks. Each group's weights are made once
+// for the R rows; the int32 sums of a sub stay in registers (2 R of them), the fp32 accumulators
+// in acc.
+template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, int R>
+static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int count, const QActs& a, int64_t s0,
+                       float* acc, int64_t m0) {
+  constexpr int NSUB = KB / SUB, GPS = SUB / 4, G = KB / 4, PER = HB ? 8 / HB : 8;
+  for (int c = 0; c < count; ++c) {
+    const uint8_t* tile = tile0 + (int64_t)c * f.tile_bytes();
+    const int64_t s = s0 + c;
+    const int64_t b0 = s * (KB / kActBlock);
+    Unpacked u;  // the scales only
+    unpack_scales(fmt, f, tile, &u);
+    for (int j = 0; j < NSUB; ++j) {
+      const int64_t blk = b0 + j * SUB / kActBlock;
+      const int8_t* xj = a.qb(blk, m0) + j * SUB % kActBlock;  // row r at xj + 32 r
+      prefetch_step();
+      __m256i i0[R], i1[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int gg = 0; gg < GPS; ++gg) {  // GPS is a multiple of PER, so gg % PER == g % PER
+        const int g = j * GPS + gg;
+        __m256i w[2], sg[2];
+        switch (gg % PER) {
+#define VERISPEC_GROUP(I) \
+          case I: group_weights<NIB, HB, SIGNED, G, I>(tile, g, w, sg); break;
+          VERISPEC_GROUP(0) VERISPEC_GROUP(1) VERISPEC_GROUP(2) VERISPEC_GROUP(3)
+          VERISPEC_GROUP(4) VERISPEC_GROUP(5) VERISPEC_GROUP(6) VERISPEC_GROUP(7)
+#undef VERISPEC_GROUP
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = bcast4(xj + kActBlock * r + 4 * gg);
+          i0[r] = dot_u8s8(i0[r], w[0], SIGNED ? _mm256_sign_epi8(x, sg[0]) : x);
+          i1[r] = dot_u8s8(i1[r], w[1], SIGNED ? _mm256_sign_epi8(x, sg[1]) : x);
+        }
+      }
+      const __m256 dl0 = _mm256_load_ps(u.dl[j]), dl1 = _mm256_load_ps(u.dl[j] + 8);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        float* y = acc + (m0 + r) * kTile;
+        if (OFF) {
+          const __m256i o = _mm256_set1_epi32(OFF * a.bsum(m0 + r, s, KB, j, SUB));
+          i0[r] = _mm256_sub_epi32(i0[r], o);
+          i1[r] = _mm256_sub_epi32(i1[r], o);
+        }
+        const __m256 dxj = _mm256_set1_ps(a.dx[blk * a.mp + m0 + r]);
+        __m256 y0 = _mm256_fmadd_ps(dl0, _mm256_mul_ps(_mm256_cvtepi32_ps(i0[r]), dxj), _mm256_loadu_ps(y));
+        __m256 y1 = _mm256_fmadd_ps(dl1, _mm256_mul_ps(_mm256_cvtepi32_ps(i1[r]), dxj), _mm256_loadu_ps(y + 8));
+        if (FPOFF) {
+          const __m256 v = _mm256_set1_ps(a.dxb[blk * a.mp + m0 + r]);
+          y0 = _mm256_fnmadd_ps(_mm256_load_ps(u.ml[j]), v, y0);
+          y1 = _mm256_fnmadd_ps(_mm256_load_ps(u.ml[j] + 8), v, y1);
+        }
+        _mm256_storeu_ps(y, y0);
+        _mm256_storeu_ps(y + 8, y1);
+      }
+    }
+  }
+}
+
+// The rows in blocks of at most 4, as even as possible (9 rows: 3 + 3 + 3), since a block's
+// cost per row falls with its size.
+template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF>
+static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, const QActs& a, int64_t s, float* acc) {
+  int64_t m = 0;
+  while (m < a.m) {
+    const int64_t left = a.m - m, blocks = (left + 3) / 4, r = (left + blocks - 1) / blocks;
+    switch (r) {
+      case 1: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 1>(fmt, f, tile, count, a, s, acc, m); break;
+      case 2: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 2>(fmt, f, tile, count, a, s, acc, m); break;
+      case 3: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 3>(fmt, f, tile, count, a, s, acc, m); break;
+      default: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 4>(fmt, f, tile, count, a, s, acc, m); break;
+    }
+    m += r;
+  }
+}
+
+static inline void superblock_ymm(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s,
+                                  int count, float* acc) {
+  switch (fmt) {
+    case Q4_K: rows<256, 32, true, 0, false, 0, true>(fmt, f, tile, count, a, s, acc); break;
+    case Q6_K: rows<256, 16, false, 2, false, 32, false>(fmt, f, tile, count, a, s, acc); break;
+    case Q5_0: rows<32, 32, false, 1, false, 16, false>(fmt, f, tile, count, a, s, acc); break;
+    case Q4_1: rows<32, 32, true, 0, false, 0, true>(fmt, f, tile, count, a, s, acc); break;
+    case Q8_0: rows<32, 32, false, 0, true, 0, false>(fmt, f, tile, count, a, s, acc); break;
+  }
+}
+
+}  // namespace verispec
+
+#endif  // VERISPEC_YMM_KERNEL_H_
