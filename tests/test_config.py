@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from verispec.config import SamplingParams, SpeculativeConfig
@@ -80,3 +84,18 @@ def test_adaptive_is_on_by_default_and_json_can_turn_it_off():
     assert (cfg.adaptive, cfg.num_speculative_tokens) == (False, 6)
     with pytest.raises(ValueError, match="adaptive must be true or false"):
         SpeculativeConfig.from_dict({"method": "ngram", "adaptive": "no"})
+
+
+def test_importing_verispec_first_makes_openmp_threads_wait_passively():
+    """verispec sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP, unless the user set the
+    policy or a spin count (verispec/__init__.py says why)."""
+    code = "import os, verispec, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "PASSIVE"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ACTIVE"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "GOMP_SPINCOUNT": "1000"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"

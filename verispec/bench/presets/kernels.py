@@ -25,13 +25,16 @@ Sections:
   against verispec's engine). Each timed call first sleeps ``SETTLE`` seconds, so that neither
   runtime's worker threads are still spinning from the other's previous call; steps and passes
   then run once untimed, so each is timed after a pass of its own runtime, as in a generation
-  loop (see ``interleaved``).
+  loop (see ``interleaved``). One OpenMP runtime serves both runtimes in the process, and
+  llama.cpp runs slower under verispec's passive wait policy (see ``verispec/__init__.py``):
+  ``GOMP_SPINCOUNT=300000`` times both with the spinning default, and the section says which.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -259,6 +262,17 @@ def bench_llama(loaded, gguf_path, threads: int, repeats: int) -> dict | None:
     return out
 
 
+def omp_policy() -> str:
+    """The OpenMP wait policy in effect, and what it means for the llama section."""
+    policy, spin = os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
+    if spin is not None:
+        return f"GOMP_SPINCOUNT={spin}, idle threads spin; verispec's own default is the passive policy)"
+    if policy and policy.upper() == "PASSIVE":
+        return ("OMP_WAIT_POLICY=PASSIVE, verispec's default, under which llama.cpp runs slower; "
+                "GOMP_SPINCOUNT=300000 times both with the spinning default)")
+    return f"OMP_WAIT_POLICY={policy or 'unset'})"
+
+
 def _fmt(r: tuple[float, float, float]) -> str:
     return f"{r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f})"
 
@@ -346,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"\nllama.cpp (llama-cpp-python {lm['llama_cpp_python']}), same file and threads; "
                   "verispec speed relative to llama.cpp (> 1 is faster):")
+            print(f"  (one OpenMP runtime serves both here: {omp_policy()}")
             for what in ("step", "pass 9", "prefill 700", "generate 64"):
                 r = lm[what]
                 print(f"  {what}: verispec {r['verispec_s'] * 1e3:.1f} ms, llama.cpp {r['llama_s'] * 1e3:.1f} ms, "
