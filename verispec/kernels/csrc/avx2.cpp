@@ -8,6 +8,7 @@
 #include <cstring>
 
 namespace verispec {
+constexpr bool kInt16Sums = true;  // see int16_chunk in ymm_kernel.h
 static inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 namespace verispec {
+constexpr bool kInt16Sums = false;  // see int16_chunk in ymm_kernel.h
 static inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
 }  // namespace verispec
 

@@ -91,6 +91,19 @@ static inline void group_weights(const uint8_t* tile, int g, __m256i* w, __m256i
   }
 }
 
+// Groups whose maddubs results can be added in int16 before one madd widens them (AVX2 only:
+// kInt16Sums): each int16 lane then sums 2 products per group, each at most wmax * 127 in
+// magnitude, so chunk * 2 * wmax * 127 must stay within 32767 for the sum to be exact: Q4_K and
+// Q4_1 (wmax 15) 8 groups, Q5_0 (31) 4, Q6_K (63) 2, Q8_0 (128) 1. The largest such divisor of
+// the groups per sub (gps). Fewer madds: a Q4_K sub takes 16 maddubs, 16 adds and 2 madds per
+// row instead of 16 maddubs, 16 madds and 16 adds.
+constexpr int int16_chunk(int wmax, int gps) {
+  int ch = 1;
+  for (int c = 1; c <= gps; ++c)
+    if (gps % c == 0 && c * 2 * wmax * 127 <= 32767) ch = c;
+  return ch;
+}
+
 // R rows (R <= 4) against count consecutive tile superblocks. Each group's weights are made once
 // for the R rows; the int32 sums of a sub stay in registers (2 R of them), the fp32 accumulators
 // in acc.
@@ -98,6 +111,7 @@ template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, i
 static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int count, const QActs& a, int64_t s0,
                        float* acc, int64_t m0) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4, G = KB / 4, PER = HB ? 8 / HB : 8;
+  constexpr int CH = kInt16Sums ? int16_chunk(NIB ? 15 : HB ? (16 << HB) - 1 : 128, GPS) : 1;
   for (int c = 0; c < count; ++c) {
     const uint8_t* tile = tile0 + (int64_t)c * f.tile_bytes();
     const int64_t s = s0 + c;
@@ -112,21 +126,43 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-      for (int gg = 0; gg < GPS; ++gg) {  // GPS is a multiple of PER, so gg % PER == g % PER
-        const int g = j * GPS + gg;
-        __m256i w[2], sg[2];
-        switch (gg % PER) {
-#define VERISPEC_GROUP(I) \
-          case I: group_weights<NIB, HB, SIGNED, G, I>(tile, g, w, sg); break;
-          VERISPEC_GROUP(0) VERISPEC_GROUP(1) VERISPEC_GROUP(2) VERISPEC_GROUP(3)
-          VERISPEC_GROUP(4) VERISPEC_GROUP(5) VERISPEC_GROUP(6) VERISPEC_GROUP(7)
-#undef VERISPEC_GROUP
-        }
+      for (int c0 = 0; c0 < GPS; c0 += CH) {  // CH groups per int16 chunk (1: straight to int32)
+        __m256i t0[R], t1[R];
+        if constexpr (CH > 1) {
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const __m256i x = bcast4(xj + kActBlock * r + 4 * gg);
-          i0[r] = dot_u8s8(i0[r], w[0], SIGNED ? _mm256_sign_epi8(x, sg[0]) : x);
-          i1[r] = dot_u8s8(i1[r], w[1], SIGNED ? _mm256_sign_epi8(x, sg[1]) : x);
+          for (int r = 0; r < R; ++r) t0[r] = t1[r] = _mm256_setzero_si256();
+        }
+#pragma GCC unroll 8
+        for (int gg = c0; gg < c0 + CH; ++gg) {  // GPS is a multiple of PER, so gg % PER == g % PER
+          const int g = j * GPS + gg;
+          __m256i w[2], sg[2];
+          switch (gg % PER) {
+#define VERISPEC_GROUP(I) \
+            case I: group_weights<NIB, HB, SIGNED, G, I>(tile, g, w, sg); break;
+            VERISPEC_GROUP(0) VERISPEC_GROUP(1) VERISPEC_GROUP(2) VERISPEC_GROUP(3)
+            VERISPEC_GROUP(4) VERISPEC_GROUP(5) VERISPEC_GROUP(6) VERISPEC_GROUP(7)
+#undef VERISPEC_GROUP
+          }
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const __m256i x = bcast4(xj + kActBlock * r + 4 * gg);
+            const __m256i x0 = SIGNED ? _mm256_sign_epi8(x, sg[0]) : x, x1 = SIGNED ? _mm256_sign_epi8(x, sg[1]) : x;
+            if constexpr (CH > 1) {
+              t0[r] = _mm256_add_epi16(t0[r], _mm256_maddubs_epi16(w[0], x0));
+              t1[r] = _mm256_add_epi16(t1[r], _mm256_maddubs_epi16(w[1], x1));
+            } else {
+              i0[r] = dot_u8s8(i0[r], w[0], x0);
+              i1[r] = dot_u8s8(i1[r], w[1], x1);
+            }
+          }
+        }
+        if constexpr (CH > 1) {
+          const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(t0[r], ones));
+            i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(t1[r], ones));
+          }
         }
       }
       const __m256 dl0 = _mm256_load_ps(u.dl[j]), dl1 = _mm256_load_ps(u.dl[j] + 8);
