@@ -116,6 +116,25 @@ static inline bool has_fp_offset(int fmt) { return fmt == 12 || fmt == 3; }     
 
 
 
+// The per-format constants of the SIMD row loops (AVX512, the 256-bit ones), as template
+// arguments: superblock KB, sub SUB, 4-bit storage NIB, high bits HB, signed weights SIGNED,
+// integer offset OFF, fp offset FPOFF. with_format calls f with the format's set.
+template <int KB_, int SUB_, bool NIB_, int HB_, bool SIGNED_, int OFF_, bool FPOFF_>
+struct FormatArgs {
+  static constexpr int KB = KB_, SUB = SUB_, HB = HB_, OFF = OFF_;
+  static constexpr bool NIB = NIB_, SIGNED = SIGNED_, FPOFF = FPOFF_;
+};
+template <class F>
+static inline void with_format(int fmt, F&& f) {
+  switch (fmt) {
+    case Q4_K: f(FormatArgs<256, 32, true, 0, false, 0, true>{}); break;
+    case Q6_K: f(FormatArgs<256, 16, false, 2, false, 32, false>{}); break;
+    case Q5_0: f(FormatArgs<32, 32, false, 1, false, 16, false>{}); break;
+    case Q4_1: f(FormatArgs<32, 32, true, 0, false, 0, true>{}); break;
+    case Q8_0: f(FormatArgs<32, 32, false, 0, true, 0, false>{}); break;
+  }
+}
+
 // Software prefetch of the weights ahead of the kernels (ops.cpp sets the queue per superblock
 // call; each ISA kernel issues per_step lines at the start of each sub), so the requests spread
 // over the call's compute instead of coming in one burst, which stalls on the core's few

@@ -208,13 +208,10 @@ static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, c
 
 static inline void superblock_ymm(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s,
                                   int count, float* acc) {
-  switch (fmt) {
-    case Q4_K: rows<256, 32, true, 0, false, 0, true>(fmt, f, tile, count, a, s, acc); break;
-    case Q6_K: rows<256, 16, false, 2, false, 32, false>(fmt, f, tile, count, a, s, acc); break;
-    case Q5_0: rows<32, 32, false, 1, false, 16, false>(fmt, f, tile, count, a, s, acc); break;
-    case Q4_1: rows<32, 32, true, 0, false, 0, true>(fmt, f, tile, count, a, s, acc); break;
-    case Q8_0: rows<32, 32, false, 0, true, 0, false>(fmt, f, tile, count, a, s, acc); break;
-  }
+  with_format(fmt, [&](auto t) {
+    using A = decltype(t);
+    rows<A::KB, A::SUB, A::NIB, A::HB, A::SIGNED, A::OFF, A::FPOFF>(fmt, f, tile, count, a, s, acc);
+  });
 }
 
 }  // namespace verispec
