@@ -11,9 +11,10 @@ Contract (stated in full in ``csrc/qgemm.h``): activations are quantized per row
 products are exact int32 sums, and every output is one fp32 accumulation in a fixed order, with
 threads splitting output columns only. So a row's result is bit-identical whatever the number of
 rows beside it, the thread count and the ISA path (``scalar``, ``avx2``, ``avxvnni`` (AVX2 with
-the 256-bit VNNI dot product), ``avx512`` with VNNI, ``amx`` with AMX-INT8 tiles); the tests check every path the CPU has against the scalar one for
-M = 1..16 (and 23 and 33) rows and 1 or 2 threads. By default a call takes the fastest path for
-its row count (AMX only for wide passes, see ``csrc/ops.cpp``). The weights are the file's
+the 256-bit VNNI dot product), ``avx512`` with VNNI, ``amx`` with AMX-INT8 tiles); the tests
+check every path the CPU has against the scalar one for M = 1..16 (and 23 and 33) rows and 1 or
+2 threads. By default a call takes the fastest path for its row count (AMX only for wide passes,
+see ``csrc/ops.cpp``), up to the cap that ``VERISPEC_ISA`` or :func:`set_max_isa` sets. The weights are the file's
 own: :func:`dequantize` of a packed weight equals ``gguf.quants.dequantize`` of its blocks bit
 for bit.
 """
@@ -239,8 +240,8 @@ def matmul(x: Tensor, weights: list[PackedWeight], isa: str | None = None, *, bi
     memory traffic in a decode step.
 
     Activations are quantized once, for all the weights, and one parallel region covers all
-    their tiles. ``isa`` forces a path (``scalar``, ``avx2``, ``avxvnni``, ``avx512``, ``amx``; tests use it);
-    None picks the fastest this CPU runs for the row count.
+    their tiles. ``isa`` forces a path (``scalar``, ``avx2``, ``avxvnni``, ``avx512``, ``amx``;
+    tests use it); None picks the fastest this CPU runs for the row count.
     """
     if x.dim() != 2:
         raise KernelError(f"matmul takes x [M, K], got shape {tuple(x.shape)}")
