@@ -83,10 +83,10 @@ constexpr int kTile = 16;     // output columns per tile
 constexpr int kMaxSub = 16;   // most subs per superblock (Q6_K)
 constexpr int kActBlock = 32; // activation block
 
-// One tile superblock in the form the row loops consume (see unpack_* per ISA).
+// One tile superblock in the form the row loops consume: the per-sub scales (every SIMD path), and
+// for AMX the 4-bit and 4+hb-bit weights unpacked to bytes (the others read them from the tile).
 struct alignas(64) Unpacked {
-  uint8_t w[64 * 64];          // [G][16][4], up to G = 64; |w| for signed formats
-  int8_t ws[8 * 64];           // signed formats (Q8_0, G = 8): the weights with their signs
+  uint8_t w[64 * 64];          // AMX: [G][16][4], up to G = 64
   float dl[kMaxSub][kTile];    // per sub and column (see the contract)
   float ml[kMaxSub][kTile];
 };

@@ -17,8 +17,6 @@
 
 #include <immintrin.h>
 
-#include <cstring>
-
 #include "qgemm.h"
 
 namespace verispec {
