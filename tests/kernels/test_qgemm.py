@@ -250,10 +250,35 @@ def test_attention_rows_depend_only_on_their_own_keys():
 
 
 @needs_kernels
+def test_attention_paths_give_the_scalar_bits():
+    """The AVX2 and AVX512 row kernels equal the scalar definition bit for bit: head dims that
+    leave a partial register block of outputs, key counts that leave partial groups of 4 and 16
+    (the score and exp/sum loops), scattered keys, and rows with no key at all."""
+    gen = torch.Generator().manual_seed(11)
+    for d in (16, 48, 64, 128, 256):
+        for s in (1, 3, 5, 17, 40, 129, 530):
+            q = torch.randn(2, 4, 5, d, generator=gen) * 3
+            k = torch.randn(2, 2, s, d, generator=gen)
+            v = torch.randn(2, 2, s, d, generator=gen)
+            mask = torch.rand(2, 5, s, generator=gen) < 0.7
+            mask[0, 0] = False
+            want = kernels.attention(q, k, v, mask, d**-0.5, "scalar")
+            assert torch.equal(want[0, :, 0], torch.zeros(4, d))
+            for isa in kernels.supported_isas():
+                for threads in (1, 2):
+                    got = with_threads(threads, lambda: kernels.attention(q, k, v, mask, d**-0.5, isa))
+                    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (d, s, isa, threads)
+
+
+@needs_kernels
 def test_attention_bad_input_is_a_clear_error():
     q = torch.randn(1, 2, 1, 24)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kernels.attention(q, torch.randn(1, 1, 4, 24), torch.randn(1, 1, 4, 24), torch.ones(1, 1, 4, dtype=torch.bool), 1.0)
+    q = torch.randn(1, 2, 1, 16)
+    with pytest.raises(kernels.KernelError, match="this CPU runs the kernel paths"):
+        kernels.attention(q, torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16), torch.ones(1, 1, 4, dtype=torch.bool), 1.0,
+                          "sse9")
 
 
 @needs_kernels

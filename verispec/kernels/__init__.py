@@ -37,12 +37,13 @@ import torch
 from torch import Tensor
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ref.cpp", "avx2.cpp", "avxvnni.cpp", "avx512.cpp", "amx.cpp", "attention.cpp", "pool.cpp", "ops.cpp")
+SOURCES = ("ref.cpp", "avx2.cpp", "avxvnni.cpp", "avx512.cpp", "amx.cpp", "attention.cpp", "attention_avx2.cpp",
+           "attention_avx512.cpp", "pool.cpp", "ops.cpp")
 # -fopenmp: at::parallel_for is a header template that is serial unless compiled with OpenMP; it
 # then runs on torch's own OpenMP threads. -ffp-contract=off: the scalar reference's multiplies
 # and adds stay as written, so the SIMD paths can match it bit for bit.
 CFLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp")
-HEADERS = ("qgemm.h", "ymm_kernel.h", "scales512.h", "pool.h")
+HEADERS = ("qgemm.h", "ymm_kernel.h", "scales512.h", "pool.h", "attention.h", "attention_simd.h")
 ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 4, "avx512": 2, "amx": 3}
 # ggml type ids of the formats the kernels run (GGMLQuantizationType values)
 FORMATS = {"Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
@@ -138,6 +139,15 @@ def set_max_isa(name: str | None) -> None:
     The environment variable ``VERISPEC_ISA`` sets it for a process. Results are the same bits on
     every path; only the speed changes."""
     _set_max_isa(_lib(), None if name is None else name.strip().lower(), "max ISA")
+
+
+def _isa_id(isa: str | None) -> int:
+    """The C++ id of a forced path (-1: the default), or a clear error for a name this CPU lacks."""
+    if isa is None:
+        return -1
+    if isa not in ISAS or ISAS[isa] not in _lib().supported_isas():
+        raise KernelError(f"ISA path {isa!r}: this CPU runs the kernel paths {', '.join(supported_isas())}")
+    return ISAS[isa]
 
 
 def available() -> bool:
@@ -256,16 +266,18 @@ def matmul(x: Tensor, weights: list[PackedWeight], isa: str | None = None, *, bi
         raise KernelError("a layer's input is gated (glu) or normed, not both")
     norm_w, eps = (None, 0.0) if norm is None else (norm[0].float().contiguous(), float(norm[1]))
     return _lib().linear(x, [w.fmt for w in weights], [w.data for w in weights], [w.n for w in weights],
-                         bias, out_dtype == torch.bfloat16, -1 if isa is None else ISAS[isa],
+                         bias, out_dtype == torch.bfloat16, _isa_id(isa),
                          glu, norm_w, eps, residual)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, isa: str | None = None) -> Tensor:
     """Attention of ``q [B, H, T, D]`` over ``k, v [B, Hkv, S, D]`` where ``mask [B, T, S]``
     (bool) is True, all float32: ``[B, H, T, D]``. Each row reduces over its own attended keys in
     cache order, in fixed float32 steps (``csrc/attention.cpp``), so its bits depend only on the
-    row, its keys and its values: not on the rows beside it, on S or on the thread count."""
-    return _lib().attention(q, k, v, mask, float(scale))
+    row, its keys and its values: not on the rows beside it, on S, on the thread count or on the
+    ISA path. ``isa`` forces a path as in :func:`matmul` (``avx512`` and ``amx`` run the AVX512
+    row kernel, ``avxvnni`` and ``avx2`` the AVX2 one); None takes the default."""
+    return _lib().attention(q, k, v, mask, float(scale), _isa_id(isa))
 
 
 def qkv_rope(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -16,15 +16,21 @@
 //   p_i = exp(score_i - max_i score_i)    exp_fixed (qgemm.h): fixed steps, no libm call
 //   sum = 16 lanes over i (i % 16), then the same tree
 //   out[d] = (sum_i p_i * v[s_i][d], i in order) / sum
-// The source is compiled without fma contraction and without reassociation, so the compiler's
-// vectorisation cannot change these sums.
+// This file's attend_row_scalar is the definition. It is compiled for baseline x86-64, without
+// fma contraction and without reassociation, so the compiler's vectorisation cannot change
+// these sums. The AVX2 and AVX512 row kernels (attention_simd.h) run the same IEEE operations on
+// 16 lanes at once and give the same bits; they are what a pass runs by default, since the
+// scalar one cost a 9-row pass of the 1.5B model 40 ms at 512 cached tokens (docs/kernels.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "attention.h"
 #include "pool.h"
 #include "qgemm.h"
 
@@ -42,9 +48,38 @@ inline float lane_tree(float* lane) {
 
 }  // namespace
 
+// The definition (the ISA paths give its bits: attention_simd.h).
+void attend_row_scalar(const RowAttn& r) {
+  const int64_t n = r.n, d = r.d;
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* kr = r.kb + r.idx[i] * r.ks;
+    float lane[kLanes] = {};
+    for (int64_t d0 = 0; d0 < d; d0 += kLanes)
+      for (int l = 0; l < kLanes; ++l) lane[l] += r.q[d0 + l] * kr[d0 + l];
+    r.p[i] = lane_tree(lane) * r.scale;
+    mx = r.p[i] > mx ? r.p[i] : mx;
+  }
+  float lane[kLanes] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    r.p[i] = exp_fixed(r.p[i] - mx);
+    lane[i % kLanes] += r.p[i];
+  }
+  const float sum = lane_tree(lane);
+  std::fill(r.acc, r.acc + d, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* vr = r.vb + r.idx[i] * r.vs;
+    const float pi = r.p[i];
+    for (int64_t j = 0; j < d; ++j) r.acc[j] += pi * vr[j];
+  }
+  for (int64_t j = 0; j < d; ++j) r.out[j] = r.acc[j] / sum;
+}
+
 // q [B, H, T, D], k and v [B, Hkv, S, D] (D contiguous), mask [B, T, S] bool (True = attend),
 // all float32: out [B, H, T, D]. H is a multiple of Hkv (grouped-query heads share KV heads).
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale) {
+// isa: the row kernel's path (-1: the default one, see attend_row_for).
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale,
+                        int64_t isa) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3, "attention takes q, k, v [B, H, T, D] and mask [B, T, S]");
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
               "attention runs float32");
@@ -57,6 +92,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
               "k and v must be [B, Hkv, S, D]");
   TORCH_CHECK(mask.size(0) == b && mask.size(1) == t && mask.size(2) == s, "mask must be [B, T, S]");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v must be contiguous in D");
+  const AttendRowFn row_fn = attend_row_for(isa);
   q = q.contiguous();
   mask = mask.contiguous();
   auto out = torch::empty({b, h, t, d}, torch::kFloat32);
@@ -74,14 +110,11 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
     thread_local std::vector<int64_t> idx;
     thread_local std::vector<float> p, acc;
     idx.resize((size_t)s);
-    p.resize((size_t)s);
+    p.resize((size_t)s + kLanes);
     acc.resize((size_t)d);
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t bi = u / (h * t), hi = u / t % h, ti = u % t, kv = hi / group;
-      const float* qr = pq + u * d;
       const bool* mr = pm + (bi * t + ti) * s;
-      const float* kb = pk + bi * k.stride(0) + kv * k.stride(1);
-      const float* vb = pv + bi * v.stride(0) + kv * v.stride(1);
       float* o = po + u * d;
       int64_t n = 0;
       for (int64_t j = 0; j < s; ++j)
@@ -90,28 +123,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
         std::memset(o, 0, (size_t)d * sizeof(float));
         continue;
       }
-      float mx = -INFINITY;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* kr = kb + idx[i] * k.stride(2);
-        float lane[kLanes] = {};
-        for (int64_t d0 = 0; d0 < d; d0 += kLanes)
-          for (int l = 0; l < kLanes; ++l) lane[l] += qr[d0 + l] * kr[d0 + l];
-        p[i] = lane_tree(lane) * sc;
-        mx = p[i] > mx ? p[i] : mx;
-      }
-      float lane[kLanes] = {};
-      for (int64_t i = 0; i < n; ++i) {
-        p[i] = exp_fixed(p[i] - mx);
-        lane[i % kLanes] += p[i];
-      }
-      const float sum = lane_tree(lane);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t i = 0; i < n; ++i) {
-        const float* vr = vb + idx[i] * v.stride(2);
-        const float pi = p[i];
-        for (int64_t j = 0; j < d; ++j) acc[j] += pi * vr[j];
-      }
-      for (int64_t j = 0; j < d; ++j) o[j] = acc[j] / sum;
+      row_fn({pq + u * d, pk + bi * k.stride(0) + kv * k.stride(1), pv + bi * v.stride(0) + kv * v.stride(1),
+              k.stride(2), v.stride(2), idx.data(), n, d, sc, p.data(), acc.data(), o});
     }
   });
   return out;

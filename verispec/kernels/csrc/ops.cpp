@@ -16,6 +16,7 @@
 #include <cstring>
 #include <vector>
 
+#include "attention.h"
 #include "pool.h"
 #include "qgemm.h"
 
@@ -108,6 +109,18 @@ int64_t packed_bytes(const FormatInfo& f, int64_t n, int64_t k) { return n / kTi
 int64_t packed_nbytes(int64_t fmt, int64_t n, int64_t k) { return packed_bytes(info_or_throw(fmt), n, k); }
 
 }  // namespace
+
+AttendRowFn attend_row_for(int64_t isa) {
+  TORCH_CHECK(isa < 0 || isa_supported((int)isa), "ISA path ", isa, " is not supported by this CPU");
+  const int use = isa < 0 ? best_isa(1) : (int)isa;
+  switch (use) {
+    case kAmx:
+    case kAvx512: return attend_row_avx512;
+    case kAvxVnni:
+    case kAvx2: return attend_row_avx2;
+    default: return attend_row_scalar;
+  }
+}
 
 // raw: uint8 [N, K / KB * block_bytes], the GGUF tensor's bytes (row n = output feature n).
 torch::Tensor repack(int64_t fmt, torch::Tensor raw, int64_t n, int64_t k) {
@@ -347,7 +360,8 @@ std::vector<int64_t> supported_isas() {
 }  // namespace verispec
 
 namespace verispec {
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale);
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale,
+                        int64_t isa);
 std::vector<torch::Tensor> qkv_rope(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t h, int64_t hkv);
 }
 

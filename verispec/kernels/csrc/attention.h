@@ -1,0 +1,34 @@
+// Attention over the KV cache, one query row at a time: the row kernel each ISA path provides
+// (attention.cpp has the contract, the scalar definition and the torch-facing side).
+#pragma once
+
+#include <cstdint>
+
+namespace verispec {
+
+// One query row against its attended keys idx[0 .. n-1] (n > 0, cache order): k row i at
+// kb + idx[i] * ks, v row i at vb + idx[i] * vs, d floats each (d % 16 == 0). p holds at least
+// n rounded up to 16 floats of scratch; out gets the d outputs.
+struct RowAttn {
+  const float* q;
+  const float* kb;
+  const float* vb;
+  int64_t ks, vs;
+  const int64_t* idx;
+  int64_t n, d;
+  float scale;
+  float* p;
+  float* acc;  // d floats of scratch (the scalar path)
+  float* out;
+};
+
+using AttendRowFn = void (*)(const RowAttn&);
+void attend_row_scalar(const RowAttn& r);
+void attend_row_avx2(const RowAttn& r);
+void attend_row_avx512(const RowAttn& r);
+
+// The row kernel for ISA path isa (ops.cpp's numbering; -1: the default path), checked against
+// the CPU: AVX512 and AMX take the AVX512 one, AVX-VNNI and AVX2 the AVX2 one.
+AttendRowFn attend_row_for(int64_t isa);
+
+}  // namespace verispec
