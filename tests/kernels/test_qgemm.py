@@ -251,23 +251,26 @@ def test_attention_rows_depend_only_on_their_own_keys():
 
 @needs_kernels
 def test_attention_paths_give_the_scalar_bits():
-    """The AVX2 and AVX512 row kernels equal the scalar definition bit for bit: head dims that
-    leave a partial register block of outputs, key counts that leave partial groups of 4 and 16
-    (the score and exp/sum loops), scattered keys, and rows with no key at all."""
+    """The AVX2 and AVX512 row kernels equal the scalar definition bit for bit: query heads per
+    KV head from 1 to past the 8 a unit takes (the SIMD kernels run a KV head's query heads
+    together), head dims that leave a partial register block of outputs, key counts that leave
+    partial blocks of keys and of 16 (the score and exp/sum loops), scattered keys, and rows with
+    no key at all."""
     gen = torch.Generator().manual_seed(11)
-    for d in (16, 48, 64, 128, 256):
-        for s in (1, 3, 5, 17, 40, 129, 530):
-            q = torch.randn(2, 4, 5, d, generator=gen) * 3
-            k = torch.randn(2, 2, s, d, generator=gen)
-            v = torch.randn(2, 2, s, d, generator=gen)
-            mask = torch.rand(2, 5, s, generator=gen) < 0.7
-            mask[0, 0] = False
-            want = kernels.attention(q, k, v, mask, d**-0.5, "scalar")
-            assert torch.equal(want[0, :, 0], torch.zeros(4, d))
-            for isa in kernels.supported_isas():
-                for threads in (1, 2):
-                    got = with_threads(threads, lambda: kernels.attention(q, k, v, mask, d**-0.5, isa))
-                    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (d, s, isa, threads)
+    cases = [(d, s, 4, 2) for d in (16, 48, 64, 128, 256) for s in (1, 3, 5, 17, 40, 129, 530)]
+    cases += [(d, s, h, 1) for d in (48, 128) for s in (7, 130) for h in (1, 3, 5, 6, 7, 9, 12)]
+    for d, s, h, hkv in cases:
+        q = torch.randn(2, h, 5, d, generator=gen) * 3
+        k = torch.randn(2, hkv, s, d, generator=gen)
+        v = torch.randn(2, hkv, s, d, generator=gen)
+        mask = torch.rand(2, 5, s, generator=gen) < 0.7
+        mask[0, 0] = False
+        want = kernels.attention(q, k, v, mask, d**-0.5, "scalar")
+        assert torch.equal(want[0, :, 0], torch.zeros(h, d))
+        for isa in kernels.supported_isas():
+            for threads in (1, 2):
+                got = with_threads(threads, lambda: kernels.attention(q, k, v, mask, d**-0.5, isa))
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (d, s, h, isa, threads)
 
 
 @needs_kernels

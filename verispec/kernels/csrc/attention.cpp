@@ -48,31 +48,36 @@ inline float lane_tree(float* lane) {
 
 }  // namespace
 
-// The definition (the ISA paths give its bits: attention_simd.h).
+// The definition (the ISA paths give its bits: attention_simd.h), one head at a time.
 void attend_row_scalar(const RowAttn& r) {
   const int64_t n = r.n, d = r.d;
-  float mx = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) {
-    const float* kr = r.kb + r.idx[i] * r.ks;
+  for (int hh = 0; hh < r.heads; ++hh) {
+    const float* q = r.q + hh * r.qs;
+    float* p = r.p + hh * r.ps;
+    float* out = r.out + hh * r.os;
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* kr = r.kb + r.idx[i] * r.ks;
+      float lane[kLanes] = {};
+      for (int64_t d0 = 0; d0 < d; d0 += kLanes)
+        for (int l = 0; l < kLanes; ++l) lane[l] += q[d0 + l] * kr[d0 + l];
+      p[i] = lane_tree(lane) * r.scale;
+      mx = p[i] > mx ? p[i] : mx;
+    }
     float lane[kLanes] = {};
-    for (int64_t d0 = 0; d0 < d; d0 += kLanes)
-      for (int l = 0; l < kLanes; ++l) lane[l] += r.q[d0 + l] * kr[d0 + l];
-    r.p[i] = lane_tree(lane) * r.scale;
-    mx = r.p[i] > mx ? r.p[i] : mx;
+    for (int64_t i = 0; i < n; ++i) {
+      p[i] = exp_fixed(p[i] - mx);
+      lane[i % kLanes] += p[i];
+    }
+    const float sum = lane_tree(lane);
+    std::fill(r.acc, r.acc + d, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* vr = r.vb + r.idx[i] * r.vs;
+      const float pi = p[i];
+      for (int64_t j = 0; j < d; ++j) r.acc[j] += pi * vr[j];
+    }
+    for (int64_t j = 0; j < d; ++j) out[j] = r.acc[j] / sum;
   }
-  float lane[kLanes] = {};
-  for (int64_t i = 0; i < n; ++i) {
-    r.p[i] = exp_fixed(r.p[i] - mx);
-    lane[i % kLanes] += r.p[i];
-  }
-  const float sum = lane_tree(lane);
-  std::fill(r.acc, r.acc + d, 0.0f);
-  for (int64_t i = 0; i < n; ++i) {
-    const float* vr = r.vb + r.idx[i] * r.vs;
-    const float pi = r.p[i];
-    for (int64_t j = 0; j < d; ++j) r.acc[j] += pi * vr[j];
-  }
-  for (int64_t j = 0; j < d; ++j) r.out[j] = r.acc[j] / sum;
 }
 
 // q [B, H, T, D], k and v [B, Hkv, S, D] (D contiguous), mask [B, T, S] bool (True = attend),
@@ -103,28 +108,35 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   float* po = out.data_ptr<float>();
   const int64_t group = h / hkv;
   const float sc = (float)scale;
-  const int64_t rows = b * h * t, nchunks = std::min<int64_t>(rows, 4 * (int64_t)at::get_num_threads());
+  // One unit: the query heads (up to kMaxHeads) of one KV head at one position, which attend
+  // to the same keys; the keys are gathered from the mask once for them all.
+  const int64_t parts = (group + kMaxHeads - 1) / kMaxHeads, units = b * hkv * t * parts;
+  const int64_t nchunks = std::min<int64_t>(units, 4 * (int64_t)at::get_num_threads());
   run_chunks(nchunks, [&](int64_t chunk) {
     int64_t u0, u1;
-    chunk_range(rows, nchunks, chunk, &u0, &u1);
+    chunk_range(units, nchunks, chunk, &u0, &u1);
     thread_local std::vector<int64_t> idx;
     thread_local std::vector<float> p, acc;
+    const int64_t ps = (s + kLanes - 1) / kLanes * kLanes;
     idx.resize((size_t)s);
-    p.resize((size_t)s + kLanes);
+    p.resize((size_t)(kMaxHeads * ps));
     acc.resize((size_t)d);
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t bi = u / (h * t), hi = u / t % h, ti = u % t, kv = hi / group;
+      const int64_t part = u % parts, ti = u / parts % t, kv = u / (parts * t) % hkv, bi = u / (parts * t * hkv);
+      const int64_t h0 = kv * group + part * kMaxHeads;
+      const int heads = (int)std::min<int64_t>(kMaxHeads, (kv + 1) * group - h0);
       const bool* mr = pm + (bi * t + ti) * s;
-      float* o = po + u * d;
+      const int64_t row0 = (bi * h + h0) * t + ti;  // head h0's row; the next head's is t rows on
       int64_t n = 0;
       for (int64_t j = 0; j < s; ++j)
         if (mr[j]) idx[n++] = j;
       if (n == 0) {
-        std::memset(o, 0, (size_t)d * sizeof(float));
+        for (int hh = 0; hh < heads; ++hh) std::memset(po + (row0 + hh * t) * d, 0, (size_t)d * sizeof(float));
         continue;
       }
-      row_fn({pq + u * d, pk + bi * k.stride(0) + kv * k.stride(1), pv + bi * v.stride(0) + kv * v.stride(1),
-              k.stride(2), v.stride(2), idx.data(), n, d, sc, p.data(), acc.data(), o});
+      row_fn({pq + row0 * d, t * d, heads, pk + bi * k.stride(0) + kv * k.stride(1),
+              pv + bi * v.stride(0) + kv * v.stride(1), k.stride(2), v.stride(2), idx.data(), n, d, sc, p.data(), ps,
+              acc.data(), po + row0 * d, t * d});
     }
   });
   return out;

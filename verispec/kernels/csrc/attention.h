@@ -6,11 +6,17 @@
 
 namespace verispec {
 
-// One query row against its attended keys idx[0 .. n-1] (n > 0, cache order): k row i at
-// kb + idx[i] * ks, v row i at vb + idx[i] * vs, d floats each (d % 16 == 0). p holds at least
-// n rounded up to 16 floats of scratch; out gets the d outputs.
+// Query rows of up to kMaxHeads heads that share a KV head and a mask row (grouped-query
+// heads at one position), each against the same attended keys idx[0 .. n-1] (n > 0, cache
+// order): k row i at kb + idx[i] * ks, v row i at vb + idx[i] * vs, d floats each (d % 16 == 0);
+// head j's query at q + j * qs, its output at out + j * os. p holds kMaxHeads rows of ps floats
+// of scratch (ps at least n rounded up to 16). Each head's row is computed as if alone: sharing
+// the keys only saves their loads.
+constexpr int kMaxHeads = 8;
 struct RowAttn {
   const float* q;
+  int64_t qs;
+  int heads;
   const float* kb;
   const float* vb;
   int64_t ks, vs;
@@ -18,8 +24,10 @@ struct RowAttn {
   int64_t n, d;
   float scale;
   float* p;
+  int64_t ps;
   float* acc;  // d floats of scratch (the scalar path)
   float* out;
+  int64_t os;
 };
 
 using AttendRowFn = void (*)(const RowAttn&);

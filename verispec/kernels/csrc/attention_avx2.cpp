@@ -9,7 +9,8 @@ namespace {
 struct Ymm2 {
   struct F { __m256 lo, hi; };
   struct I { __m256i lo, hi; };
-  static constexpr int kChunk = 4;  // output vectors in registers: 64 floats, 8 ymm
+  static constexpr int kMaxG = 4;  // heads at once
+  static constexpr int kAcc = 4;  // output accumulators (vectors of 16) in registers
   static F zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static F set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
   static F load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }

@@ -8,7 +8,8 @@ namespace {
 struct Zmm {
   using F = __m512;
   using I = __m512i;
-  static constexpr int kChunk = 8;  // output vectors in registers: 128 floats
+  static constexpr int kMaxG = 8;  // heads at once
+  static constexpr int kAcc = 16;  // output accumulators (vectors of 16) in registers
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }

@@ -9,8 +9,9 @@
 //   MAXPS return the second operand, the constant, as `x < c ? x : c` does);
 //   the sum's lanes are i % 16, so 16 consecutive p's are one vector add;
 //   each output element is its own accumulator over the keys in order.
-// Only the order of independent work changes (four keys' scores at once, several vectors of
-// outputs at once), so the bits equal attend_row_scalar's.
+// Only the order of independent work changes (the heads that share a KV head run together, so
+// each key and value vector is loaded once for them; several keys' scores at once; several
+// vectors of outputs at once), so the bits equal attend_row_scalar's.
 #pragma once
 
 #include <immintrin.h>
@@ -43,77 +44,104 @@ static inline typename V::F exp_lanes(typename V::F x) {
   return V::mul(e, V::pow2(n));
 }
 
-// out[d0 .. d0 + 16 NC) = sum_i p[i] * v[idx[i]][..] / sum, NC vectors held in registers.
-template <class V, int NC>
-static inline void values_chunk(const RowAttn& r, int64_t d0, float sum) {
+// Scores of G heads against KB keys at a time (G * KB independent chains), times scale, into
+// each head's p.
+template <class V, int G, int KB>
+static inline void scores(const RowAttn& r, int64_t i) {
   using F = typename V::F;
-  F acc[NC];
-  for (int c = 0; c < NC; ++c) acc[c] = V::zero();
-  for (int64_t i = 0; i < r.n; ++i) {
-    const float* vr = r.vb + r.idx[i] * r.vs + d0;
-    const F pi = V::set1(r.p[i]);
+  const float* kr[KB];
+  for (int j = 0; j < KB; ++j) kr[j] = r.kb + r.idx[i + j] * r.ks;
+  F a[G][KB];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < KB; ++j) a[g][j] = V::zero();
+  for (int64_t d0 = 0; d0 < r.d; d0 += 16) {
+    F kv[KB];
+    for (int j = 0; j < KB; ++j) kv[j] = V::load(kr[j] + d0);
 #pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) acc[c] = V::add(acc[c], V::mul(pi, V::load(vr + 16 * c)));
+    for (int g = 0; g < G; ++g) {
+      const F qv = V::load(r.q + g * r.qs + d0);
+      for (int j = 0; j < KB; ++j) a[g][j] = V::add(a[g][j], V::mul(qv, kv[j]));
+    }
   }
-  const F s = V::set1(sum);
-  for (int c = 0; c < NC; ++c) V::store(r.out + d0 + 16 * c, V::div(acc[c], s));
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < KB; ++j) r.p[g * r.ps + i + j] = V::tree(a[g][j]) * r.scale;
 }
 
-template <class V>
-static void attend_row_simd(const RowAttn& r) {
+// out[d0 .. d0 + 16 NC) of G heads = sum_i p[i] * v[idx[i]][..] / sum, G * NC vectors held in
+// registers; each v vector is loaded once for the G heads.
+template <class V, int G, int NC>
+static inline void values_chunk(const RowAttn& r, int64_t d0, const float* sum) {
+  using F = typename V::F;
+  F acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = V::zero();
+  for (int64_t i = 0; i < r.n; ++i) {
+    const float* vr = r.vb + r.idx[i] * r.vs + d0;
+    F vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = V::load(vr + 16 * c);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const F pi = V::set1(r.p[g * r.ps + i]);
+      for (int c = 0; c < NC; ++c) acc[g][c] = V::add(acc[g][c], V::mul(pi, vv[c]));
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const F s = V::set1(sum[g]);
+    for (int c = 0; c < NC; ++c) V::store(r.out + g * r.os + d0 + 16 * c, V::div(acc[g][c], s));
+  }
+}
+
+template <class V, int G>
+static void attend_heads(const RowAttn& r) {
   using F = typename V::F;
   const int64_t n = r.n, d = r.d;
-  // scores, four keys at a time (independent chains)
+  constexpr int KB = G >= 4 ? 1 : 4 / G;  // keys per score block
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    const float* k0 = r.kb + r.idx[i] * r.ks;
-    const float* k1 = r.kb + r.idx[i + 1] * r.ks;
-    const float* k2 = r.kb + r.idx[i + 2] * r.ks;
-    const float* k3 = r.kb + r.idx[i + 3] * r.ks;
-    F a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
-    for (int64_t d0 = 0; d0 < d; d0 += 16) {
-      const F qv = V::load(r.q + d0);
-      a0 = V::add(a0, V::mul(qv, V::load(k0 + d0)));
-      a1 = V::add(a1, V::mul(qv, V::load(k1 + d0)));
-      a2 = V::add(a2, V::mul(qv, V::load(k2 + d0)));
-      a3 = V::add(a3, V::mul(qv, V::load(k3 + d0)));
-    }
-    r.p[i] = V::tree(a0) * r.scale;
-    r.p[i + 1] = V::tree(a1) * r.scale;
-    r.p[i + 2] = V::tree(a2) * r.scale;
-    r.p[i + 3] = V::tree(a3) * r.scale;
-  }
-  for (; i < n; ++i) {
-    const float* k0 = r.kb + r.idx[i] * r.ks;
-    F a0 = V::zero();
-    for (int64_t d0 = 0; d0 < d; d0 += 16) a0 = V::add(a0, V::mul(V::load(r.q + d0), V::load(k0 + d0)));
-    r.p[i] = V::tree(a0) * r.scale;
-  }
-  float mx = -INFINITY;
-  for (i = 0; i < n; ++i) mx = r.p[i] > mx ? r.p[i] : mx;
-  // p = exp(score - max), 16 at a time; the last vector's lanes past n are computed (from the
-  // padding written here) but not added
+  for (; i + KB <= n; i += KB) scores<V, G, KB>(r, i);
+  for (; i < n; ++i) scores<V, G, 1>(r, i);
+  float sum[G];
   const int64_t n16 = (n + 15) / 16 * 16;
-  for (i = n; i < n16; ++i) r.p[i] = mx;
-  const F vmx = V::set1(mx);
-  F lane = V::zero();
-  for (i = 0; i < n16; i += 16) {
-    const F e = exp_lanes<V>(V::sub(V::load(r.p + i), vmx));
-    V::store(r.p + i, e);
-    lane = V::add_first(lane, e, (int)std::min<int64_t>(16, n - i));
+  for (int g = 0; g < G; ++g) {
+    float* p = r.p + g * r.ps;
+    float mx = -INFINITY;
+    for (i = 0; i < n; ++i) mx = p[i] > mx ? p[i] : mx;
+    // p = exp(score - max), 16 at a time; the last vector's lanes past n are computed (from
+    // the padding written here) but not added
+    for (i = n; i < n16; ++i) p[i] = mx;
+    const F vmx = V::set1(mx);
+    F lane = V::zero();
+    for (i = 0; i < n16; i += 16) {
+      const F e = exp_lanes<V>(V::sub(V::load(p + i), vmx));
+      V::store(p + i, e);
+      lane = V::add_first(lane, e, (int)std::min<int64_t>(16, n - i));
+    }
+    sum[g] = V::tree(lane);
   }
-  const float sum = V::tree(lane);
+  constexpr int NC = V::kAcc / G > 1 ? V::kAcc / G : 1;
   int64_t d0 = 0;
-  for (; d0 + 16 * V::kChunk <= d; d0 += 16 * V::kChunk) values_chunk<V, V::kChunk>(r, d0, sum);
-  switch ((d - d0) / 16) {  // the rest, fewer than kChunk vectors
-    case 1: values_chunk<V, 1>(r, d0, sum); break;
-    case 2: values_chunk<V, 2>(r, d0, sum); break;
-    case 3: values_chunk<V, 3>(r, d0, sum); break;
-    case 4: values_chunk<V, 4>(r, d0, sum); break;
-    case 5: values_chunk<V, 5>(r, d0, sum); break;
-    case 6: values_chunk<V, 6>(r, d0, sum); break;
-    case 7: values_chunk<V, 7>(r, d0, sum); break;
-    default: break;
+  for (; d0 + 16 * NC <= d; d0 += 16 * NC) values_chunk<V, G, NC>(r, d0, sum);
+  for (; d0 < d; d0 += 16) values_chunk<V, G, 1>(r, d0, sum);
+}
+
+// The heads in groups of at most V::kMaxG (the registers one group's accumulators take).
+template <class V>
+static void attend_row_simd(const RowAttn& r) {
+  for (int h0 = 0; h0 < r.heads; h0 += V::kMaxG) {
+    RowAttn part = r;
+    part.heads = std::min(V::kMaxG, r.heads - h0);
+    part.q = r.q + h0 * r.qs;
+    part.p = r.p + h0 * r.ps;
+    part.out = r.out + h0 * r.os;
+    switch (part.heads) {
+      case 1: attend_heads<V, 1>(part); break;
+      case 2: attend_heads<V, 2>(part); break;
+      case 3: attend_heads<V, 3>(part); break;
+      case 4: attend_heads<V, 4>(part); break;
+      case 5: if constexpr (V::kMaxG >= 5) attend_heads<V, 5>(part); break;
+      case 6: if constexpr (V::kMaxG >= 6) attend_heads<V, 6>(part); break;
+      case 7: if constexpr (V::kMaxG >= 7) attend_heads<V, 7>(part); break;
+      default: if constexpr (V::kMaxG >= 8) attend_heads<V, 8>(part); break;
+    }
   }
 }
 
