@@ -16,7 +16,8 @@ Sections:
   path's time against the default path's in the same repeat. It shows what a machine with only
   the smaller instruction sets gets (all paths give the same bits).
 * ``model``: the whole model on a short chat prompt: a pass of T positions against a decode
-  step (T = 1), batch-8 decode throughput against batch 1, and a 700-token prompt's prefill
+  step (T = 1), the same for T = 9 after 512 cached tokens (a prompt and answer of Spec-Bench's
+  size), batch-8 decode throughput against batch 1, and a 700-token prompt's prefill
   (each pass timed right after an untimed one of its own, see ``interleaved``).
 * ``llama``: the same GGUF file through llama.cpp (the ``llama-cpp-python`` package, if it is
   installed; the section says so and is skipped if not), with the same threads, interleaved
@@ -47,6 +48,7 @@ from verispec import kernels
 ROWS = (1, 2, 4, 8, 9, 16)
 SETTLE = 0.2  # seconds before each timed call of the llama section
 POSITIONS = (1, 2, 4, 9, 16)
+LONG_CONTEXT = 512  # cached tokens of the model section's long-context passes
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8")
 
 
@@ -119,12 +121,21 @@ def _layer_groups(model) -> dict:
     return groups
 
 
+def _page_in(layers: list) -> None:
+    """One untimed call per layer, so that no timed call pages its weights in from the file (a
+    cold page cache made a first-round gate_up call take 3 ms against 0.4 ms)."""
+    x = torch.randn(1, layers[0].in_features)
+    for layer in layers:
+        kernels.matmul(x, layer.parts)
+
+
 def bench_shapes(model, repeats: int, bandwidth: float) -> list[dict]:
     rows = []
     for (name, types), layers in _layer_groups(model).items():
         lin = layers[0]
         turn = iter(range(10**9))
         xs = {m: torch.randn(m, lin.in_features) for m in ROWS}
+        _page_in(layers)
 
         def call(m: int) -> None:
             kernels.matmul(xs[m], layers[next(turn) % len(layers)].parts)
@@ -146,21 +157,26 @@ def bench_model(loaded, repeats: int) -> dict:
     n0 = len(prompt)
     ids = torch.tensor([prompt])
 
-    def pass_of(t: int, batch: int = 1) -> Callable[[], object]:
-        cache = model.new_cache(n0 + 64, num_slots=batch)
-        model(ids.expand(batch, -1), torch.arange(n0)[None].expand(batch, -1), cache)
+    long_ids = torch.tensor([(prompt * (700 // n0 + 1))[:700]])
+
+    def pass_of(t: int, batch: int = 1, context: torch.Tensor = ids) -> Callable[[], object]:
+        c0 = context.shape[1]
+        cache = model.new_cache(c0 + 64, num_slots=batch)
+        model(context.expand(batch, -1), torch.arange(c0)[None].expand(batch, -1), cache)
         toks = torch.full((batch, t), 42)
-        pos = torch.arange(n0, n0 + t)[None].expand(batch, -1)
+        pos = torch.arange(c0, c0 + t)[None].expand(batch, -1)
 
         def run():
             model(toks, pos, cache)
             for slot in range(batch):  # roll back: every timed pass sees the same cache
-                cache.truncate(slot, n0)
+                cache.truncate(slot, c0)
         return run
 
     configs = {f"T={t}": pass_of(t) for t in POSITIONS}
     configs["batch=8"] = pass_of(1, 8)
-    long_ids = torch.tensor([(prompt * (700 // n0 + 1))[:700]])
+    # the same passes after LONG_CONTEXT cached tokens, where attention is no longer small
+    for t in (1, 9):
+        configs[f"long T={t}"] = pass_of(t, context=long_ids[:, :LONG_CONTEXT])
 
     def prefill():
         cache = model.new_cache(768)
@@ -173,6 +189,8 @@ def bench_model(loaded, repeats: int) -> dict:
         "decode_ms": step * 1e3, "decode_tok_s": 1 / step,
         "verify": {t: ratio(times, f"T={t}", "T=1") for t in POSITIONS[1:]},
         # throughput ratio = 8 / (time ratio): the median, then the min and max over repeats
+        "long_decode_ms": statistics.median(times["long T=1"]) * 1e3,
+        "long_verify9": ratio(times, "long T=9", "long T=1"),
         "batch8_throughput": (lambda r: (8 / r[0], 8 / r[2], 8 / r[1]))(ratio(times, "batch=8", "T=1")),
         "prefill_700_s": statistics.median(times["prefill 700"]),
     }
@@ -289,6 +307,7 @@ def bench_paths(model, repeats: int) -> list[dict]:
         lin = layers[0]
         turn = iter(range(10**9))
         xs = {m: torch.randn(m, lin.in_features) for m in PATH_ROWS}
+        _page_in(layers)
         configs = {}
         for m in PATH_ROWS:
             configs[f"default {m}"] = lambda m=m: kernels.matmul(xs[m], layers[next(turn) % len(layers)].parts)
@@ -347,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         result["model_passes"] = m
         print(f"\ndecode step {m['decode_ms']:.1f} ms ({m['decode_tok_s']:.1f} tok/s); pass of T positions / decode step: "
               + ", ".join(f"T={t}: {_fmt(r)}" for t, r in m["verify"].items()))
+        print(f"after {LONG_CONTEXT} cached tokens: decode step {m['long_decode_ms']:.1f} ms, pass of 9 / decode step "
+              f"{_fmt(m['long_verify9'])}")
         print(f"batch-8 decode throughput / batch 1: {_fmt(tuple(m['batch8_throughput']))}; "
               f"prefill of 700 tokens: {m['prefill_700_s']:.2f} s")
     if "llama" in sections:

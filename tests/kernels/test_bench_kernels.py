@@ -1,0 +1,34 @@
+"""`verispec bench kernels` runs end to end on the small real model and reports every section it
+was asked for (the figures themselves are the machine's, so only their presence and sense are
+checked)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from verispec import kernels
+from verispec.bench.presets import kernels as preset
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable (no compiler)")
+def test_bench_kernels_reports_its_sections(capsys):
+    threads = torch.get_num_threads()
+    try:
+        assert preset.main(["--model", "smollm2-135m-instruct", "--repeats", "1", "--sections", "shapes,paths,model"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the preset sets its own
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["read_gbps"] > 0
+    kinds = {row["layer"] for row in result["shapes"]}
+    assert {"qkv", "o_proj", "gate_up", "down", "lm_head"} <= kinds
+    assert all(row["t1_ms"] > 0 and set(row["ratios"]) == {str(m) for m in preset.ROWS[1:]} for row in result["shapes"])
+    assert {row["layer"] for row in result["paths"]} == kinds
+    m = result["model_passes"]
+    assert m["decode_ms"] > 0 and m["long_decode_ms"] > 0 and m["prefill_700_s"] > 0
+    assert set(m["verify"]) == {str(t) for t in preset.POSITIONS[1:]}
+    assert len(m["long_verify9"]) == 3 and m["long_verify9"][1] <= m["long_verify9"][0] <= m["long_verify9"][2]
+    assert f"after {preset.LONG_CONTEXT} cached tokens" in out
