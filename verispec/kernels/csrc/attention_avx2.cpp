@@ -10,6 +10,7 @@ struct Ymm2 {
   struct F { __m256 lo, hi; };
   struct I { __m256i lo, hi; };
   static constexpr int kMaxG = 4;  // heads at once
+  static constexpr int kScoreAcc = 4;  // score accumulators (heads x keys) in registers
   static constexpr int kAcc = 4;  // output accumulators (vectors of 16) in registers
   static F zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static F set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }

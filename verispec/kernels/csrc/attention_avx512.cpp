@@ -9,6 +9,7 @@ struct Zmm {
   using F = __m512;
   using I = __m512i;
   static constexpr int kMaxG = 8;  // heads at once
+  static constexpr int kScoreAcc = 12;  // score accumulators (heads x keys) in registers
   static constexpr int kAcc = 16;  // output accumulators (vectors of 16) in registers
   static F zero() { return _mm512_setzero_ps(); }
   static F set1(float x) { return _mm512_set1_ps(x); }

@@ -95,7 +95,7 @@ template <class V, int G>
 static void attend_heads(const RowAttn& r) {
   using F = typename V::F;
   const int64_t n = r.n, d = r.d;
-  constexpr int KB = G >= 4 ? 1 : 4 / G;  // keys per score block
+  constexpr int KB = V::kScoreAcc / G >= 4 ? 4 : V::kScoreAcc / G >= 1 ? V::kScoreAcc / G : 1;  // keys per score block
   int64_t i = 0;
   for (; i + KB <= n; i += KB) scores<V, G, KB>(r, i);
   for (; i < n; ++i) scores<V, G, 1>(r, i);
@@ -103,8 +103,17 @@ static void attend_heads(const RowAttn& r) {
   const int64_t n16 = (n + 15) / 16 * 16;
   for (int g = 0; g < G; ++g) {
     float* p = r.p + g * r.ps;
+    // the max in 16 lanes, then over the lanes: exact, and NaN skipped as the scalar
+    // `p > mx ? p : mx` skips it (MAXPS returns its second operand, the running max, which is
+    // never NaN). Only which zero wins a tie of +0 and -0 can differ, and p - mx, hence exp,
+    // is the same for either.
+    F vmax = V::set1(-INFINITY);
+    for (i = 0; i + 16 <= n; i += 16) vmax = V::max(V::load(p + i), vmax);
+    float lanes[16];
+    V::store(lanes, vmax);
     float mx = -INFINITY;
-    for (i = 0; i < n; ++i) mx = p[i] > mx ? p[i] : mx;
+    for (int l = 0; l < 16; ++l) mx = lanes[l] > mx ? lanes[l] : mx;
+    for (; i < n; ++i) mx = p[i] > mx ? p[i] : mx;
     // p = exp(score - max), 16 at a time; the last vector's lanes past n are computed (from
     // the padding written here) but not added
     for (i = n; i < n16; ++i) p[i] = mx;
