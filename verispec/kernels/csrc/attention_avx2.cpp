@@ -40,12 +40,7 @@ struct Ymm2 {
     return {_mm256_blendv_ps(lane.lo, _mm256_add_ps(lane.lo, e.lo), first(valid)),
             _mm256_blendv_ps(lane.hi, _mm256_add_ps(lane.hi, e.hi), first(valid - 8))};
   }
-  static float tree(F a) {
-    const __m256 s8 = _mm256_add_ps(a.lo, a.hi);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-  }
+  static float tree(F a) { return tree_of_8(_mm256_add_ps(a.lo, a.hi)); }  // w = 8, then 4, 2, 1
 };
 
 }  // namespace

@@ -31,13 +31,10 @@ struct Zmm {
   static F add_first(F lane, F e, int valid) {
     return _mm512_mask_add_ps(lane, (__mmask16)((1u << valid) - 1), lane, e);
   }
-  // lane_tree: w = 8 (the upper 256 bits onto the lower), 4, 2, 1
+  // lane_tree: w = 8 (the upper 256 bits onto the lower), then 4, 2, 1
   static float tree(F a) {
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a),
-                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    return tree_of_8(_mm256_add_ps(_mm512_castps512_ps256(a),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))));
   }
 };
 

@@ -23,6 +23,14 @@
 
 namespace verispec {
 
+// The lane tree's steps w = 4, 2, 1 on the 8 sums of its step w = 8 (lane l of s8 holds
+// lane[l] + lane[l + 8]).
+static inline float tree_of_8(__m256 s8) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
 template <class V>
 static inline typename V::F exp_lanes(typename V::F x) {
   using F = typename V::F;
