@@ -86,8 +86,8 @@ void unpack_high(const FormatInfo& f, const uint8_t* tile, int off, uint8_t* w) 
   } while (0)
 
 template <int J, bool SIGNED>
-inline void sub_sums(const int8_t* xa, const uint8_t* w, int32_t* c) {
-  prefetch_step();
+inline void sub_sums(const int8_t* xa, const uint8_t* w, int32_t* c, PrefetchQueue& pq) {
+  prefetch_step(pq);
   if constexpr (J % 4 == 0) VERISPEC_SUB_SUMS(0, 4, 6);
   else if constexpr (J % 4 == 1) VERISPEC_SUB_SUMS(1, 5, 7);
   else if constexpr (J % 4 == 2) VERISPEC_SUB_SUMS(2, 4, 6);
@@ -97,18 +97,18 @@ inline void sub_sums(const int8_t* xa, const uint8_t* w, int32_t* c) {
 
 template <int SUB, bool SIGNED, int... J>
 inline void all_sums(const QActs& a, int64_t b0, int64_t m0, const uint8_t* w, int32_t (*c)[16][16],
-                     std::integer_sequence<int, J...>) {
+                     std::integer_sequence<int, J...>, PrefetchQueue& pq) {
   constexpr int GPS = SUB / 4;
-  (sub_sums<J, SIGNED>(a.qb(b0 + J * SUB / kActBlock, m0) + J * SUB % kActBlock, w + 64 * GPS * J, &c[J][0][0]), ...);
+  (sub_sums<J, SIGNED>(a.qb(b0 + J * SUB / kActBlock, m0) + J * SUB % kActBlock, w + 64 * GPS * J, &c[J][0][0], pq), ...);
 }
 
 template <int KB, int SUB, bool SIGNED, bool FPOFF>
-void run(const uint8_t* w, const Unpacked& u, const QActs& a, int64_t s, float* acc) {
+void run(const uint8_t* w, const Unpacked& u, const QActs& a, int64_t s, float* acc, PrefetchQueue& pq) {
   constexpr int NSUB = KB / SUB;
   alignas(64) int32_t c[NSUB][16][16];
   for (int64_t m0 = 0; m0 < a.m; m0 += 16) {
     const int64_t b0 = s * (KB / kActBlock);
-    all_sums<SUB, SIGNED>(a, b0, m0, w, c, std::make_integer_sequence<int, NSUB>());
+    all_sums<SUB, SIGNED>(a, b0, m0, w, c, std::make_integer_sequence<int, NSUB>(), pq);
     const int rows = (int)std::min<int64_t>(16, a.m - m0);
     for (int r = 0; r < rows; ++r) {
       const int64_t m = m0 + r;
@@ -141,6 +141,7 @@ void amx_release() { _tile_release(); }
 
 void superblock_amx(int fmt, const FormatInfo& f, const uint8_t* tile0, const QActs& a, int64_t s0, int count,
                     float* acc) {
+  PrefetchQueue& pq = thread_prefetch_queue();
   for (int c = 0; c < count; ++c) {
   const uint8_t* tile = tile0 + (int64_t)c * f.tile_bytes();
   const int64_t s = s0 + c;
@@ -151,11 +152,11 @@ void superblock_amx(int fmt, const FormatInfo& f, const uint8_t* tile0, const QA
   else w = tile;  // Q8_0
   unpack_scales(fmt, f, tile, &u);
   switch (fmt) {
-    case Q4_K: run<256, 32, false, true>(w, u, a, s, acc); break;
-    case Q6_K: run<256, 16, true, false>(w, u, a, s, acc); break;
-    case Q5_0: run<32, 32, true, false>(w, u, a, s, acc); break;
-    case Q4_1: run<32, 32, false, true>(w, u, a, s, acc); break;
-    case Q8_0: run<32, 32, true, false>(w, u, a, s, acc); break;
+    case Q4_K: run<256, 32, false, true>(w, u, a, s, acc, pq); break;
+    case Q6_K: run<256, 16, true, false>(w, u, a, s, acc, pq); break;
+    case Q5_0: run<32, 32, true, false>(w, u, a, s, acc, pq); break;
+    case Q4_1: run<32, 32, false, true>(w, u, a, s, acc, pq); break;
+    case Q8_0: run<32, 32, true, false>(w, u, a, s, acc, pq); break;
   }
   }
 }

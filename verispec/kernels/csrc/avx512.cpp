@@ -58,7 +58,7 @@ static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* 
 // the instruction's latency.
 template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, int R>
 static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int count, const QActs& a, int64_t s0,
-                       float* acc, int64_t m0) {
+                       float* acc, int64_t m0, PrefetchQueue& pq) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4;
   __m512 y[R];
 #pragma GCC unroll 12
@@ -77,7 +77,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
   for (int j = 0; j < NSUB; ++j) {
     const int64_t blk = b0 + j * SUB / kActBlock;
     const int8_t* xj = a.qb(blk, m0) + j * SUB % kActBlock;  // row r at xj + 32 r
-    prefetch_step();
+    prefetch_step(pq);
     __m512i part[P][R];
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r)
@@ -132,11 +132,12 @@ static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, c
   // Blocks of 8 rows, and the rest in one block: up to 12 rows fit the 32 zmm registers (12
   // accumulators, 12 sums, the weights), so a 9-row verify pass is one block, not 8 + 1 (a lone
   // row runs at its latency-bound cost, about 2.4 rows' worth in a block).
+  PrefetchQueue& pq = thread_prefetch_queue();
   int64_t m = 0;
-  for (; a.m - m > 12; m += 8) rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 8>(fmt, f, tile, count, a, s, acc, m);
+  for (; a.m - m > 12; m += 8) rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 8>(fmt, f, tile, count, a, s, acc, m, pq);
   switch (a.m - m) {
 #define VERISPEC_ROWS(R) \
-    case R: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, R>(fmt, f, tile, count, a, s, acc, m); break;
+    case R: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, R>(fmt, f, tile, count, a, s, acc, m, pq); break;
     VERISPEC_ROWS(1) VERISPEC_ROWS(2) VERISPEC_ROWS(3) VERISPEC_ROWS(4) VERISPEC_ROWS(5) VERISPEC_ROWS(6)
     VERISPEC_ROWS(7) VERISPEC_ROWS(8) VERISPEC_ROWS(9) VERISPEC_ROWS(10) VERISPEC_ROWS(11) VERISPEC_ROWS(12)
 #undef VERISPEC_ROWS

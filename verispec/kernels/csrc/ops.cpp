@@ -327,7 +327,7 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
         tl_prefetch = {(const char*)next, (const char*)next + lines * 64, (lines + subs - 1) / subs};
         fn(part.fmt, part.f, tile + s * tb, a, s, count, acc.data());
         tl_prefetch.per_step = lines;  // what a path without the per-sub steps left (scalar)
-        prefetch_step();
+        prefetch_step(tl_prefetch);
       }
       for (int64_t i = 0; i < m; ++i)
         for (int c = 0; c < kTile; ++c) {

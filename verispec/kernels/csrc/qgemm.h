@@ -138,11 +138,20 @@ static inline void with_format(int fmt, F&& f) {
 // Software prefetch of the weights ahead of the kernels (ops.cpp sets the queue per superblock
 // call; each ISA kernel issues per_step lines at the start of each sub), so the requests spread
 // over the call's compute instead of coming in one burst, which stalls on the core's few
-// outstanding-miss slots while the burst drains.
+// outstanding-miss slots while the burst drains. A kernel looks the thread's queue up once per
+// call and passes it down: in a shared library each access to a thread_local is a call to
+// __tls_get_addr (with a vzeroupper before it), which once per sub cost the 256-bit loops about
+// a third of their time at one row.
 struct PrefetchQueue { const char* p = nullptr; const char* end = nullptr; int per_step = 0; };
 inline thread_local PrefetchQueue tl_prefetch;
-static inline void prefetch_step() {
-  PrefetchQueue& q = tl_prefetch;
+// The calling thread's queue, as a pointer the compiler cannot trace back to the thread_local
+// (else GCC recomputes the address, with the call, at every use).
+static inline PrefetchQueue& thread_prefetch_queue() {
+  PrefetchQueue* q = &tl_prefetch;
+  __asm__("" : "+r"(q));
+  return *q;
+}
+static inline void prefetch_step(PrefetchQueue& q) {
   for (int i = 0; i < q.per_step && q.p < q.end; ++i, q.p += 64) __builtin_prefetch(q.p, 0, 2);
 }
 

@@ -30,7 +30,7 @@ static inline __m256 i8_as_float(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-static void unpack_scales(int fmt, const FormatInfo& f, const uint8_t* tile, Unpacked* u) {
+static inline __attribute__((always_inline)) void unpack_scales(int fmt, const FormatInfo& f, const uint8_t* tile, Unpacked* u) {
   const uint8_t* s = tile + f.weight_bytes();
   const uint16_t* d16 = (const uint16_t*)(s + f.scale_bytes());
   for (int h = 0; h < 2; ++h) {
@@ -107,7 +107,7 @@ constexpr int int16_chunk(int wmax, int gps) {
 // in acc.
 template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, int R>
 static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int count, const QActs& a, int64_t s0,
-                       float* acc, int64_t m0) {
+                       float* acc, int64_t m0, PrefetchQueue& pq) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4, G = KB / 4, PER = HB ? 8 / HB : 8;
   constexpr int CH = kInt16Sums ? int16_chunk(NIB ? 15 : HB ? (16 << HB) - 1 : 128, GPS) : 1;
   for (int c = 0; c < count; ++c) {
@@ -119,7 +119,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
     for (int j = 0; j < NSUB; ++j) {
       const int64_t blk = b0 + j * SUB / kActBlock;
       const int8_t* xj = a.qb(blk, m0) + j * SUB % kActBlock;  // row r at xj + 32 r
-      prefetch_step();
+      prefetch_step(pq);
       __m256i i0[R], i1[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm256_setzero_si256();
@@ -148,6 +148,9 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
             if constexpr (CH > 1) {
               t0[r] = _mm256_add_epi16(t0[r], _mm256_maddubs_epi16(w[0], x0));
               t1[r] = _mm256_add_epi16(t1[r], _mm256_maddubs_epi16(w[1], x1));
+              // Keeps GCC from reassociating the sums into a tree of all the sub's products
+              // (held in 32 spilled registers for 3 rows); one chain per accumulator instead.
+              if constexpr (R > 1) __asm__("" : "+x"(t0[r]), "+x"(t1[r]));
             } else {
               i0[r] = dot_u8s8(i0[r], w[0], x0);
               i1[r] = dot_u8s8(i1[r], w[1], x1);
@@ -191,14 +194,15 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
 // cost per row falls with its size.
 template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF>
 static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, const QActs& a, int64_t s, float* acc) {
+  PrefetchQueue& pq = thread_prefetch_queue();
   int64_t m = 0;
   while (m < a.m) {
     const int64_t left = a.m - m, blocks = (left + 3) / 4, r = (left + blocks - 1) / blocks;
     switch (r) {
-      case 1: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 1>(fmt, f, tile, count, a, s, acc, m); break;
-      case 2: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 2>(fmt, f, tile, count, a, s, acc, m); break;
-      case 3: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 3>(fmt, f, tile, count, a, s, acc, m); break;
-      default: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 4>(fmt, f, tile, count, a, s, acc, m); break;
+      case 1: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 1>(fmt, f, tile, count, a, s, acc, m, pq); break;
+      case 2: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 2>(fmt, f, tile, count, a, s, acc, m, pq); break;
+      case 3: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 3>(fmt, f, tile, count, a, s, acc, m, pq); break;
+      default: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 4>(fmt, f, tile, count, a, s, acc, m, pq); break;
     }
     m += r;
   }
