@@ -30,6 +30,7 @@ static inline __m256 i8_as_float(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
+// Inlined: a call from the row loop would also cost a vzeroupper and the loop's reloaded constants.
 static inline __attribute__((always_inline)) void unpack_scales(int fmt, const FormatInfo& f, const uint8_t* tile, Unpacked* u) {
   const uint8_t* s = tile + f.weight_bytes();
   const uint16_t* d16 = (const uint16_t*)(s + f.scale_bytes());
@@ -150,6 +151,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
               t1[r] = _mm256_add_epi16(t1[r], _mm256_maddubs_epi16(w[1], x1));
               // Keeps GCC from reassociating the sums into a tree of all the sub's products
               // (held in 32 spilled registers for 3 rows); one chain per accumulator instead.
+              // One row had no spills and needs no barrier.
               if constexpr (R > 1) __asm__("" : "+x"(t0[r]), "+x"(t1[r]));
             } else {
               i0[r] = dot_u8s8(i0[r], w[0], x0);
