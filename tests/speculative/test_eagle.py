@@ -43,14 +43,20 @@ def random_head(config: EagleConfig, seed: int = 0) -> Eagle3Head:
     return head
 
 
-def trained_head(decoder, draft_vocab: int | None = None, steps: int = 150, seed: int = 0) -> Eagle3Head:
-    """A head trained briefly on the target's own samples with the training-time test."""
-    rows = sampled_rows(decoder, 64, 24, seed)
+def trained_head(decoder, draft_vocab: int | None = None, steps: int = 150, seed: int = 0, greedy: bool = False,
+                 never_draft: int | None = None) -> Eagle3Head:
+    """A head trained briefly on the target's own samples (or greedy answers) with the
+    training-time test; ``never_draft`` is left out of its draft vocabulary."""
+    rows = sampled_rows(decoder, 64, 24, seed, greedy=greedy)
     config = head_config(decoder, draft_vocab)
     torch.manual_seed(seed)
     head = Eagle3Head(config)
+    counted = rows.tolist()
+    if never_draft is not None:  # one extra row holding every other token once: the left-out one ranks last
+        counted = [[t for t in row if t != never_draft] for row in counted]
+        counted.append([t for t in range(config.vocab_size) if t != never_draft])
     with torch.no_grad():
-        head.d2t.copy_(choose_draft_vocab(rows.tolist(), config.vocab_size, config.draft_vocab_size))
+        head.d2t.copy_(choose_draft_vocab(counted, config.vocab_size, config.draft_vocab_size))
     feats = target_eagle_features(decoder, rows, config.aux_layers)
     embeds = decoder.embed(rows).float()
     opt = torch.optim.Adam(head.parameters(), lr=3e-3)
@@ -324,8 +330,19 @@ def test_the_head_runs_on_the_native_kernels_where_its_shapes_fit(tmp_path):
 
 @pytest.fixture(scope="module")
 def greedy_models():
-    decoder = tiny_model(seed=1, layers=4)  # bf16, as the engine tests' target
-    return decoder, trained_head(decoder, draft_vocab=40)
+    """A bf16 target (as the engine tests') made a bigram model, its attention output zeroed so
+    that each next token depends on the last token only, and a head trained on its greedy
+    answers, which it learns exactly. The plain output falls into a cycle; one of the cycle's
+    tokens is left out of the draft vocabulary, so every cycle keeps drafts and rejects one
+    whatever the CPU's rounding. (A head trained on a full random model's samples drafted so
+    poorly that on an AVX2-only CPU not one draft was kept.)"""
+    decoder = tiny_model(seed=1, layers=4)
+    with torch.no_grad():
+        for layer in decoder.layers:
+            layer.o_proj.weight.zero_()
+    tail = generate(decoder, SamplingParams(temperature=0.0, max_tokens=60)).output_ids[-12:]
+    assert len(set(tail)) > 1  # the cycle is more than the token left out
+    return decoder, trained_head(decoder, draft_vocab=40, greedy=True, never_draft=tail[-1])
 
 
 def generate(decoder, params, drafter=None, k=0, prompt=PROMPT_G):
