@@ -333,9 +333,9 @@ def greedy_models():
     """A bf16 target (as the engine tests') made a bigram model, its attention output zeroed so
     that each next token depends on the last token only, and a head trained on its greedy
     answers, which it learns exactly. The plain output falls into a cycle; one of the cycle's
-    tokens is left out of the draft vocabulary, so every cycle keeps drafts and rejects one
-    whatever the CPU's rounding. (A head trained on a full random model's samples drafted so
-    poorly that on an AVX2-only CPU not one draft was kept.)"""
+    tokens is left out of the draft vocabulary, so drafts are kept, and a draft due to be that
+    token is rejected, whatever the CPU's rounding. (A head trained on a full random model's
+    samples drafted so poorly that on an AVX2-only CPU not one draft was kept.)"""
     decoder = tiny_model(seed=1, layers=4)
     with torch.no_grad():
         for layer in decoder.layers:
