@@ -68,7 +68,7 @@ bench-suffix: setup
 	$(VENV)/bin/verispec bench suffix --quantization int4 --num-prompts 8 --questions 2 --max-tokens 96
 
 bench-tree: setup
-	$(VENV)/bin/verispec bench tree --quantization int4 --num-questions 10 --max-tokens 48 --depth 5 \
+	$(VENV)/bin/verispec bench tree --num-questions 10 --max-tokens 48 --depth 5 \
 		--topk 2 --budget 6 --temperatures 0,1
 
 bench-batch: setup

@@ -47,6 +47,17 @@ def tiny_model(vocab: int = 48, seed: int = 0, layers: int = 2, dtype=torch.bflo
     return model
 
 
+def bigram(model: Decoder) -> Decoder:
+    """``model`` with every layer's attention output zeroed, in place: each next token then
+    depends on the last token alone. Its greedy answers are a function of the last token, so what
+    a learned drafter learns from some rows carries over to others, as with a real model (a fully
+    random tiny model is chaotic: a head only memorises its training rows)."""
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.o_proj.weight.zero_()
+    return model
+
+
 def loaded(model: Decoder, eos: int = -1, name: str = "tiny") -> SimpleNamespace:
     """Something shaped like ``verispec.models.loader.LoadedModel`` for the engine."""
     tok = ToyTokenizer(model.config.vocab_size, eos)

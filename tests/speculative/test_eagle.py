@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 import verispec.speculative.verify as verify_module
 from distribution import PROMPT, SETTINGS, VOCAB, exact_joint, goodness_of_fit, passes, sample_counts
-from tiny import loaded, sampled_rows, tiny_model, torch_threads
+from tiny import bigram, loaded, sampled_rows, tiny_model, torch_threads
 from verispec.config import SamplingParams, SpeculativeConfig, TrainSettings
 from verispec.engine.engine import Engine
 from verispec.speculative.base import DrafterContext, build_drafter
@@ -336,10 +336,7 @@ def greedy_models():
     tokens is left out of the draft vocabulary, so drafts are kept, and a draft due to be that
     token is rejected, whatever the CPU's rounding. (A head trained on a full random model's
     samples drafted so poorly that on an AVX2-only CPU not one draft was kept.)"""
-    decoder = tiny_model(seed=1, layers=4)
-    with torch.no_grad():
-        for layer in decoder.layers:
-            layer.o_proj.weight.zero_()
+    decoder = bigram(tiny_model(seed=1, layers=4))
     tail = generate(decoder, SamplingParams(temperature=0.0, max_tokens=60)).output_ids[-12:]
     assert len(set(tail)) > 1  # the cycle is more than the token left out
     return decoder, trained_head(decoder, draft_vocab=40, greedy=True, never_draft=tail[-1])
@@ -423,12 +420,7 @@ def test_a_wrong_recovery_rule_fails_the_same_test(dist_models, monkeypatch):
 def tiny_training(tmp_path, steps: int, resume: bool = False):
     from verispec.speculative.train_drafter import train_eagle
 
-    decoder = tiny_model(seed=1, layers=4, dtype=torch.float32)
-    with torch.no_grad():
-        # A random bigram model (attention output zeroed), as in the Medusa training test: its
-        # greedy answers carry over from training rows to held-out ones.
-        for layer in decoder.layers:
-            layer.o_proj.weight.zero_()
+    decoder = bigram(tiny_model(seed=1, layers=4, dtype=torch.float32))
     rows = sampled_rows(decoder, 40, 24, seed=3, greedy=True).tolist()
     settings = TrainSettings(steps=steps, batch_size=8, lr=1e-2, seq_len=24, eval_every=20, save_every=20,
                              held_out=0.25, ttt_steps=3, draft_vocab_size=40, intermediate_size=96,

@@ -11,7 +11,7 @@ import torch
 
 import verispec.speculative.verify as verify_module
 from distribution import PROMPT, SETTINGS, VOCAB, exact_joint, goodness_of_fit, passes, sample_counts
-from tiny import loaded, sampled_rows, tiny_model, torch_threads
+from tiny import bigram, loaded, sampled_rows, tiny_model, torch_threads
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
 from verispec.speculative.base import DrafterContext, build_drafter
@@ -211,13 +211,7 @@ def tiny_training(tmp_path, steps: int, resume: bool = False, rows=None):
     from verispec.config import TrainSettings
     from verispec.speculative.train_drafter import train_medusa
 
-    decoder = tiny_model(seed=1, dtype=torch.float32)
-    with torch.no_grad():
-        # A random bigram model (attention output zeroed): its greedy answers are a function of the
-        # last token, so what the heads learn carries over to held-out rows, as with a real model.
-        # (A fully random tiny model is chaotic: heads only memorise its training rows.)
-        for layer in decoder.layers:
-            layer.o_proj.weight.zero_()
+    decoder = bigram(tiny_model(seed=1, dtype=torch.float32))
     rows = rows if rows is not None else sampled_rows(decoder, 40, 24, seed=3, greedy=True).tolist()
     settings = TrainSettings(num_heads=3, steps=steps, batch_size=8, lr=1e-2, seq_len=24, eval_every=20,
                              save_every=20, held_out=0.25)

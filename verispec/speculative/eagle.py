@@ -676,9 +676,11 @@ def eagle_loss(head: Eagle3Head, features: Tensor, rows: Tensor, embeds: Tensor,
     return unrolled_loss(head, eagle_unrolled(head, features, rows, embeds, steps), rows, decay)
 
 
-def unrolled_loss(head: Eagle3Head, unrolled: list[Tensor], rows: Tensor, decay: float = 0.8) -> Tensor:
+def unrolled_loss(head: Eagle3Head, unrolled: list[Tensor], rows: Tensor, decay: float = 0.8,
+                  first_base: int = 0) -> Tensor:
     """:func:`eagle_loss` from the unrolled logits; target tokens outside the draft vocabulary
-    are left out (the head cannot propose them)."""
+    are left out (the head cannot propose them), and so are base positions before
+    ``first_base``."""
     c = head.config
     to_draft = torch.full((c.vocab_size,), -100, dtype=torch.long, device=rows.device)
     to_draft[head.target_ids(torch.arange(c.draft_vocab_size, device=rows.device))] = torch.arange(
@@ -686,11 +688,11 @@ def unrolled_loss(head: Eagle3Head, unrolled: list[Tensor], rows: Tensor, decay:
     total = unrolled[0].new_zeros(()) if unrolled else torch.zeros(())
     for j, logits in enumerate(unrolled):
         n = logits.shape[1] - 1  # the last base position has no token j + 2 places ahead
-        if n < 1:
+        if n <= first_base:
             break
-        labels = to_draft[rows[:, j + 2 : j + 2 + n]]
+        labels = to_draft[rows[:, first_base + j + 2 : j + 2 + n]]
         if bool((labels >= 0).any()):
-            total = total + decay**j * F.cross_entropy(logits[:, :n].reshape(-1, logits.shape[-1]),
+            total = total + decay**j * F.cross_entropy(logits[:, first_base:n].reshape(-1, logits.shape[-1]),
                                                        labels.reshape(-1), ignore_index=-100)
     return total
 

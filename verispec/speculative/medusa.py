@@ -286,16 +286,17 @@ def target_features(decoder, rows: Tensor) -> Tensor:
 
 
 def medusa_loss(heads: MedusaHeads, hidden: Tensor, rows: Tensor, decay: float = 0.8,
-                shared_head: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+                shared_head: Callable[[Tensor], Tensor] | None = None, first_base: int = 0) -> Tensor:
     """Medusa's loss: head i at position t is scored on token t + i + 2, weighted ``decay**i``.
-    ``hidden`` ``[N, T, H]`` are the target's features of ``rows`` ``[N, T]``."""
+    ``hidden`` ``[N, T, H]`` are the target's features of ``rows`` ``[N, T]``; positions before
+    ``first_base`` are not scored."""
     n, t, h = hidden.shape
     logits = heads(hidden.reshape(n * t, h), shared_head).reshape(heads.num_heads, n, t, -1)  # [K, N, T, V]
     total = hidden.new_zeros(())
     for i in range(heads.num_heads):
         shift = i + 2
-        if shift >= t:
+        if first_base + shift >= t:
             break
-        pred = logits[i, :, : t - shift].reshape(-1, logits.shape[-1])
-        total = total + decay ** i * nn.functional.cross_entropy(pred, rows[:, shift:].reshape(-1))
+        pred = logits[i, :, first_base : t - shift].reshape(-1, logits.shape[-1])
+        total = total + decay ** i * nn.functional.cross_entropy(pred, rows[:, first_base + shift:].reshape(-1))
     return total

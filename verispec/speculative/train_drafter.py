@@ -6,7 +6,8 @@ The target stays frozen and only the heads train (Medusa-1; EAGLE-3 likewise):
    (chat) or ``{"text": str}``; any other file is plain text or code. Prompts are answered by
    the target itself, greedily (self-distillation, as Medusa-2 and EAGLE recommend: the heads
    learn what the target will say, not what some other writer said). Text is cut into windows
-   of ``seq_len`` tokens. The token rows are cached in ``OUT/data.pt``.
+   of ``seq_len`` tokens. The token rows are cached in ``OUT/data.pt``, each with its answer
+   start (where the target's answer begins; 0 for text).
 2. **Features.** The target's hidden states of every row by teacher forcing (one
    prefill-shaped pass per row), cached in ``OUT``: the final normed state for Medusa
    (``features.pt``), three layers for EAGLE-3 (``eagle_features.pt``).
@@ -22,7 +23,9 @@ The target stays frozen and only the heads train (Medusa-1; EAGLE-3 likewise):
    trained on. Every ``eval_every`` steps it reports each head's (or unrolled step's) top-1
    agreement with the target's next tokens and the mean acceptance length of a greedy chain:
    per position, 1 (the target's own token) plus the number of leading drafts that are right.
-   On self-distilled rows this is what greedy speculation with these heads would accept.
+   Only the positions whose drafts are answer tokens count (:func:`first_drafted`), so on
+   self-distilled rows this is what greedy speculation with these heads would accept on the
+   answers. Training scores every position, the prompt's included.
 
 Heads share the target's LM head by default (``own_lm_heads=False``): an LM head of its own is
 ``vocab x hidden`` per head (233M parameters each for the 1.5B target), too much to train on a
@@ -73,14 +76,18 @@ class HeldOut:
 # ---- data --------------------------------------------------------------------------------------
 
 
-def read_rows(target, data: Path, settings: TrainSettings, log: Callable[[str], None] = print) -> list[list[int]]:
-    """Token rows from ``data`` (module doc): prompts answered by the target, text windows."""
+def read_rows(target, data: Path, settings: TrainSettings,
+              log: Callable[[str], None] = print) -> tuple[list[list[int]], list[int]]:
+    """Token rows from ``data`` (module doc): prompts answered by the target, text windows. Also
+    each row's answer start: the index of the target's first answer token in the row (0 for a text
+    window, which is all answer)."""
     from verispec.config import SamplingParams
     from verispec.engine.engine import Engine
 
     tok = target.tokenizer
     prompts: list[list[int]] = []
     rows: list[list[int]] = []
+    starts: list[int] = []
     if data.suffix == ".jsonl":
         for n, line in enumerate(data.read_text(encoding="utf-8").splitlines(), start=1):
             if not line.strip():
@@ -97,11 +104,15 @@ def read_rows(target, data: Path, settings: TrainSettings, log: Callable[[str], 
             elif isinstance(item.get("messages"), list):
                 prompts.append(tok.apply_chat_template(item["messages"]))
             elif isinstance(item.get("text"), str):
-                rows.extend(_windows(tok.encode(item["text"]), settings.seq_len))
+                windows = _windows(tok.encode(item["text"]), settings.seq_len)
+                rows.extend(windows)
+                starts.extend([0] * len(windows))
             else:
                 raise ValueError(f"{data}:{n}: expected a string prompt, a messages list or a string text")
     else:
-        rows.extend(_windows(tok.encode(data.read_text(encoding="utf-8", errors="replace")), settings.seq_len))
+        windows = _windows(tok.encode(data.read_text(encoding="utf-8", errors="replace")), settings.seq_len)
+        rows.extend(windows)
+        starts.extend([0] * len(windows))
     if prompts:
         # Answered ANSWER_BATCH at a time (continuous batching): greedy rows do not depend on the
         # batch, and a CPU decodes 8 rows in about the time of 1.5.
@@ -119,15 +130,18 @@ def read_rows(target, data: Path, settings: TrainSettings, log: Callable[[str], 
             for seq in [s for s in running if s.finished]:
                 if seq.finish_reason == "error":
                     raise RuntimeError(f"self-distillation failed: {seq.error}")
-                rows.append((running.pop(seq) + seq.output_ids)[-settings.seq_len:])
+                prompt = running.pop(seq)
+                full = prompt + seq.output_ids
+                rows.append(full[-settings.seq_len:])
+                starts.append(max(0, len(prompt) - (len(full) - len(rows[-1]))))
                 answered += 1
                 log(f"self-distillation: answered prompt {answered}/{len(prompts)} ({len(seq.output_ids)} tokens)")
     shortest = max(settings.num_heads, settings.ttt_steps) + 2
-    rows = [r for r in rows if len(r) >= shortest]
-    if len(rows) < 2:
-        raise ValueError(f"{data} gives {len(rows)} usable row(s); training needs at least 2 "
+    kept = [i for i, r in enumerate(rows) if len(r) >= shortest]
+    if len(kept) < 2:
+        raise ValueError(f"{data} gives {len(kept)} usable row(s); training needs at least 2 "
                          f"(one is held out), each of at least {shortest} tokens")
-    return rows
+    return [rows[i] for i in kept], [starts[i] for i in kept]
 
 
 def _windows(ids: list[int], length: int) -> list[list[int]]:
@@ -148,29 +162,46 @@ def _cached(path: Path, key: str, build: Callable[[], object]) -> object:
 # ---- held-out evaluation -------------------------------------------------------------------------
 
 
+def first_drafted(answer_start: int) -> int:
+    """The first base position whose drafts are answer tokens. At base t a head has read the
+    target's state for x_t (and, for EAGLE, the token x_{t+1}) and drafts x_{t+2} on. Serving
+    prefills the prompt (x_0 .. x_{s-1}, s the answer start) and takes x_s from the target, so
+    the first drafts are x_{s+1} on, from base s - 1; no token of the prompt, nor x_s, is ever
+    drafted. Held-out reports score only bases from here, so they measure what speculation on
+    answers would accept, not how well the head predicts the prompt (the chat template's fixed
+    tokens, the user's text)."""
+    return max(0, answer_start - 1)
+
+
 @torch.no_grad()
 def evaluate(heads: MedusaHeads, features: list[Tensor], rows: list[list[int]], step: int,
-             shared_head: Callable[[Tensor], Tensor] | None) -> HeldOut:
+             shared_head: Callable[[Tensor], Tensor] | None, answer_starts: list[int] | None = None) -> HeldOut:
+    """Held-out report for Medusa heads, over the answer's drafted positions (:func:`first_drafted`;
+    every position without ``answer_starts``)."""
     k = heads.num_heads
     correct = torch.zeros(k)
     counted = torch.zeros(k)
     lengths: list[Tensor] = []
     losses = []
-    for hidden, row in zip(features, rows):
+    for n, (hidden, row) in enumerate(zip(features, rows)):
+        first = first_drafted(answer_starts[n]) if answer_starts else 0
         ids = torch.tensor(row)
         t = len(row)
-        losses.append(medusa_loss(heads, hidden.float()[None], ids[None], shared_head=shared_head).item())
-        pred = heads(hidden.float(), shared_head).argmax(-1)  # [K, T]
         usable = t - k - 1  # positions where every head's target token exists
-        if usable <= 0:
+        if t - 2 > first:  # some head has a token to predict from an answer base
+            losses.append(medusa_loss(heads, hidden.float()[None], ids[None], shared_head=shared_head,
+                                      first_base=first).item())
+        if usable <= first:
             continue
-        hits = torch.stack([pred[i, :usable] == ids[i + 2 : i + 2 + usable] for i in range(k)])  # [K, usable]
+        pred = heads(hidden.float(), shared_head).argmax(-1)  # [K, T]
+        hits = torch.stack([pred[i, first:usable] == ids[first + i + 2 : i + 2 + usable]
+                            for i in range(k)])  # [K, usable - first]
         correct += hits.sum(1).float()
-        counted += usable
+        counted += usable - first
         lengths.append(1 + hits.int().cumprod(0).sum(0).float())  # 1 + leading correct heads
     accuracy = tuple((correct / counted.clamp_min(1)).tolist())
     mal = torch.cat(lengths).mean().item() if lengths else 1.0
-    return HeldOut(step, sum(losses) / len(losses), accuracy, mal)
+    return HeldOut(step, sum(losses) / max(len(losses), 1), accuracy, mal)
 
 
 # ---- training ------------------------------------------------------------------------------------
@@ -274,10 +305,11 @@ def _fit(module: torch.nn.Module, train: list[int], out: Path, settings: TrainSe
 
 
 def train_medusa(target, rows: list[list[int]], out: Path, settings: TrainSettings, *, resume: bool = False,
-                 features: list[Tensor] | None = None, log: Callable[[str], None] = print,
-                 progress: bool = True) -> list[HeldOut]:
+                 features: list[Tensor] | None = None, answer_starts: list[int] | None = None,
+                 log: Callable[[str], None] = print, progress: bool = True) -> list[HeldOut]:
     """Train Medusa heads for ``target`` on ``rows``; write checkpoints and the heads to ``out``.
-    Returns the held-out reports, the untrained heads' first (step 0)."""
+    Returns the held-out reports, the untrained heads' first (step 0). ``answer_starts`` (from
+    :func:`read_rows`) limits the reports to the answers' drafted positions."""
     decoder = target.model
     out.mkdir(parents=True, exist_ok=True)
     if features is None:
@@ -290,10 +322,11 @@ def train_medusa(target, rows: list[list[int]], out: Path, settings: TrainSettin
                         settings.num_layers, own_lm_heads=settings.own_lm_heads)
     heads.init_from_target(weight)
     held_feats, held_rows = [features[i] for i in held], [rows[i] for i in held]
+    held_starts = [answer_starts[i] for i in held] if answer_starts else None
     return _fit(
         heads, train, out, settings, resume=resume, log=log, progress=progress,
         row_loss=lambda i: medusa_loss(heads, features[i].float()[None], torch.tensor([rows[i]]), shared_head=shared),
-        held_out=lambda step: evaluate(heads, held_feats, held_rows, step, shared),
+        held_out=lambda step: evaluate(heads, held_feats, held_rows, step, shared, held_starts),
         write=lambda: save_medusa(heads, out, base_model=getattr(target, "name", "")))
 
 
@@ -320,30 +353,34 @@ def new_eagle_head(decoder, rows: list[list[int]], settings: TrainSettings) -> E
 
 @torch.no_grad()
 def evaluate_eagle(head: Eagle3Head, features: list[Tensor], rows: list[list[int]], embed, step: int,
-                   steps: int) -> HeldOut:
+                   steps: int, answer_starts: list[int] | None = None) -> HeldOut:
     """Held-out report for an EAGLE-3 head: each unrolled step's top-1 agreement with the token
     it predicts, and the mean acceptance length of a greedy chain of ``steps`` drafts (1 + the
-    leading correct steps, per position)."""
+    leading correct steps, per position), over the answer's drafted positions
+    (:func:`first_drafted`; every position without ``answer_starts``)."""
     correct, counted, lengths, losses = torch.zeros(steps), 0, [], []
-    for feats, row in zip(features, rows):
+    for n, (feats, row) in enumerate(zip(features, rows)):
+        first = first_drafted(answer_starts[n]) if answer_starts else 0
         ids = torch.tensor([row])
         emb = embed(ids).float()
         unrolled = eagle_unrolled(head, feats.float()[None], ids, emb, steps)  # one pass for both figures
-        losses.append(unrolled_loss(head, unrolled, ids).item())
-        hits = eagle_step_hits(head, unrolled, ids, steps)  # [steps, usable]
+        if len(row) - 2 > first:  # step 0 has a token to predict from an answer base
+            losses.append(unrolled_loss(head, unrolled, ids, first_base=first).item())
+        hits = eagle_step_hits(head, unrolled, ids, steps)[:, first:]  # [steps, usable - first]
         if hits.shape[1]:
             correct += hits.sum(1).float()
             counted += hits.shape[1]
             lengths.append(1 + hits.int().cumprod(0).sum(0).float())
     mal = torch.cat(lengths).mean().item() if lengths else 1.0
-    return HeldOut(step, sum(losses) / len(losses), tuple((correct / max(counted, 1)).tolist()), mal)
+    return HeldOut(step, sum(losses) / max(len(losses), 1), tuple((correct / max(counted, 1)).tolist()), mal)
 
 
 def train_eagle(target, rows: list[list[int]], out: Path, settings: TrainSettings, *, resume: bool = False,
-                features: list[Tensor] | None = None, log: Callable[[str], None] = print,
-                progress: bool = True) -> list[HeldOut]:
+                features: list[Tensor] | None = None, answer_starts: list[int] | None = None,
+                log: Callable[[str], None] = print, progress: bool = True) -> list[HeldOut]:
     """Train an EAGLE-3 head for ``target`` on ``rows`` (the training-time test unrolled
-    ``settings.ttt_steps`` steps); write checkpoints and the head (speculators layout) to ``out``."""
+    ``settings.ttt_steps`` steps); write checkpoints and the head (speculators layout) to ``out``.
+    ``answer_starts`` as for :func:`train_medusa`."""
     decoder = target.model
     out.mkdir(parents=True, exist_ok=True)
     head = new_eagle_head(decoder, rows, settings)
@@ -360,9 +397,11 @@ def train_eagle(target, rows: list[list[int]], out: Path, settings: TrainSetting
         return eagle_loss(head, features[i].float()[None], ids, embed(ids), settings.ttt_steps)
 
     held_feats, held_rows = [features[i] for i in held], [rows[i] for i in held]
+    held_starts = [answer_starts[i] for i in held] if answer_starts else None
     return _fit(
         head, train, out, settings, resume=resume, log=log, progress=progress, row_loss=row_loss,
-        held_out=lambda step: evaluate_eagle(head, held_feats, held_rows, embed, step, settings.ttt_steps),
+        held_out=lambda step: evaluate_eagle(head, held_feats, held_rows, embed, step, settings.ttt_steps,
+                                             held_starts),
         write=lambda: save_eagle(head, out, verifier=getattr(target, "name", ""),
                                  speculative_tokens=settings.ttt_steps))
 
@@ -384,13 +423,18 @@ def run(target_spec: str, method: str, data: Path, out: Path, settings: TrainSet
     digest = hashlib.sha256(data.read_bytes()).hexdigest()[:16]
     key = json.dumps([target_spec, quantization, digest, settings.seq_len, settings.max_new_tokens,
                       settings.num_heads])
-    rows = _cached(out / "data.pt", key, lambda: read_rows(target, data, settings, log))
-    log(f"{len(rows)} rows, {sum(map(len, rows))} tokens")
+    # The rows with their answer starts (a cache from before the starts were kept is rebuilt).
+    rows, starts = _cached(out / "data.pt", json.dumps([key, "answer_starts"]),
+                           lambda: read_rows(target, data, settings, log))
+    log(f"{len(rows)} rows, {sum(map(len, rows))} tokens, "
+        f"{sum(len(r) - s for r, s in zip(rows, starts))} of them answers or text")
     if method == "medusa":
         features = _cached(out / "features.pt", key, lambda: [
             target_features(target.model, torch.tensor([r]))[0].to(torch.bfloat16) for r in rows])
-        return train_medusa(target, rows, out, settings, resume=resume, features=features, log=log)
+        return train_medusa(target, rows, out, settings, resume=resume, features=features, answer_starts=starts,
+                            log=log)
     layers = default_aux_layers(target.model.config.num_layers)
     features = _cached(out / "eagle_features.pt", json.dumps([key, list(layers)]), lambda: [
         target_eagle_features(target.model, torch.tensor([r]), layers)[0].to(torch.bfloat16) for r in rows])
-    return train_eagle(target, rows, out, settings, resume=resume, features=features, log=log)
+    return train_eagle(target, rows, out, settings, resume=resume, features=features, answer_starts=starts,
+                       log=log)
