@@ -36,3 +36,33 @@ def test_the_report_presets_name_valid_methods():
     assert adaptive[0].label == "plain" and len(adaptive) == 13
     without_llamacpp = parse_methods(REPORT_METHODS.split(",llamacpp:")[0])  # llama-cpp-python is optional
     assert without_llamacpp[0].label == "plain" and len(without_llamacpp) == 9
+
+
+def test_the_tree_preset_measures_against_plain_decoding_in_the_same_rotation():
+    """``bench tree`` runs plain decoding in its T = 0 rotation: T = 0 outputs are checked
+    against it, and c and alpha use its measured one-position step."""
+    from argparse import Namespace
+
+    from tiny import loaded, tiny_model, torch_threads
+    from verispec.bench.presets.tree import PLAIN, run, summarize
+    from verispec.config import SpeculativeConfig
+    from verispec.engine.engine import Engine
+
+    target = loaded(tiny_model(seed=3))
+    chain = dict(num_speculative_tokens=3, adaptive=False)
+    tree = dict(num_speculative_tokens=2, speculative_eagle_topk=2, num_draft_tokens=3, adaptive=False)
+    engines = {PLAIN: Engine(target, max_model_len=64)}
+    for shape, kw in (("chain", chain), ("tree", tree)):
+        engines[("ngram", shape)] = Engine(target, SpeculativeConfig(method="ngram", **kw), max_model_len=64)
+    args = Namespace(temps=[0.0, 1.0], max_tokens=24, drafter_list=["ngram"])
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10, 11, 9, 10]]
+    with torch_threads(1):
+        stats = run(engines, args, prompts)
+    assert (PLAIN, 1.0) not in stats  # plain runs at T = 0 only
+    rows = summarize(stats, args)
+    assert rows["plain/T=0"]["t1_s"] > 0 and rows["plain/T=0"]["tokens_per_s"] > 0
+    for shape in ("chain", "tree"):
+        r = rows[f"ngram/{shape}/T=0"]
+        assert r["identical_to_plain"] is True and r["speed_vs_plain"] > 0
+        assert r["alpha"] is not None and r["c"] is not None
+        assert "speed_vs_plain" not in rows[f"ngram/{shape}/T=1"]

@@ -13,11 +13,16 @@ rotates), so machine drift hits all alike. T > 0 runs use one seed per question;
 outputs differ between engines (only their distribution is the same), so tokens/s compares
 decode speed, not identical work. T = 0 outputs must be identical across engines.
 
+Plain decoding runs in the T = 0 rotation too: T = 0 outputs must equal its outputs, and its
+one-position steps give T_target(1), which c and alpha are measured against. (The speculative
+engines verify a fixed width, almost always budget + 1, so a line through their own verify
+times extrapolates T_target(1) from one point and puts c and alpha far off.)
+
 Figures per (drafter, shape, temperature): mean acceptance length (bonus included), decode
-tokens/s (output tokens after the first / (generate time - prefill)), mean tree size, and the
-measured c and alpha (``SpecMetrics.cost_model``). The issue's goal: the tree raises mean
-acceptance length by >= 20% over the chain and tokens/s by >= 10%. Prints a Markdown table
-and ends with one JSON line.
+tokens/s (output tokens after the first / (generate time - prefill)), at T = 0 against plain
+decoding's, mean tree size, and the measured c and alpha (``SpecMetrics.cost_model`` with plain
+decoding's T_target(1)). The issue's goal: the tree raises mean acceptance length by >= 20%
+over the chain and tokens/s by >= 10%. Prints a Markdown table and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from verispec.bench.machine import log, machine_load
 from verispec.bench.presets.common import select_questions, spec_bench_path
 
 GOAL_LENGTH, GOAL_SPEED = 1.2, 1.1
+PLAIN = ("plain", "-")  # the plain engine's key, next to the (drafter, shape) ones
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,7 +84,7 @@ def build_engines(args: argparse.Namespace, target: Any, max_len: int) -> dict[t
     chain = dict(num_speculative_tokens=args.budget, adaptive=False)
     tree = dict(num_speculative_tokens=args.depth, speculative_eagle_topk=args.topk, num_draft_tokens=args.budget,
                 adaptive=False)
-    engines = {}
+    engines = {PLAIN: Engine(target, max_model_len=max_len)}
     for name in args.drafter_list:
         if name == "ngram":
             for shape, kw in (("chain", chain), ("tree", tree)):
@@ -100,12 +106,12 @@ def run(engines: dict, args: argparse.Namespace, prompts: list[list[int]]) -> di
     from verispec.config import SamplingParams
     from verispec.speculative.metrics import SpecMetrics
 
-    keys = list(engines)
     stats = {(k, t): {"metrics": SpecMetrics(), "tokens": 0, "seconds": 0.0, "outputs": []}
-             for k in keys for t in args.temps}
+             for k in engines for t in args.temps if k != PLAIN or t == 0}
     for qi, ids in enumerate(prompts):
         for temp in args.temps:
             params = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=qi)
+            keys = [k for k in engines if (k, temp) in stats]
             for j in range(len(keys)):
                 key = keys[(qi + j) % len(keys)]
                 engine = engines[key]
@@ -123,10 +129,17 @@ def run(engines: dict, args: argparse.Namespace, prompts: list[list[int]]) -> di
 
 
 def summarize(stats: dict, args: argparse.Namespace) -> dict:
+    plain = stats.get((PLAIN, 0.0))
+    t1 = plain["metrics"].target_step_time(1) if plain else None
     rows = {}
+    if plain:
+        rows["plain/T=0"] = {"drafter": "plain", "shape": "-", "temperature": 0.0, "mean_acceptance_length": 1.0,
+                             "tokens_per_s": _ratio(plain["tokens"], plain["seconds"]), "t1_s": t1}
     for ((name, shape), temp), s in stats.items():
+        if (name, shape) == PLAIN:
+            continue
         m = s["metrics"]
-        _, c, alpha = m.cost_model()
+        _, c, alpha = m.cost_model(t1)
         rows[f"{name}/{shape}/T={temp:g}"] = {
             "drafter": name, "shape": shape, "temperature": temp,
             "mean_acceptance_length": m.mean_acceptance_length,
@@ -134,6 +147,10 @@ def summarize(stats: dict, args: argparse.Namespace) -> dict:
             "mean_tree_size": m.summary()["mean_tree_size"], "accepted_depth_counts": m.accepted_depth_counts,
             "c": c, "alpha": alpha,
         }
+        if plain and temp == 0:
+            rows[f"{name}/{shape}/T=0"]["speed_vs_plain"] = _ratio(rows[f"{name}/{shape}/T=0"]["tokens_per_s"],
+                                                                   rows["plain/T=0"]["tokens_per_s"])
+            rows[f"{name}/{shape}/T=0"]["identical_to_plain"] = s["outputs"] == plain["outputs"]
     for name in args.drafter_list:
         for temp in args.temps:
             ch, tr = rows[f"{name}/chain/T={temp:g}"], rows[f"{name}/tree/T={temp:g}"]
@@ -155,11 +172,15 @@ def print_report(rows: dict, args: argparse.Namespace, load: float) -> None:
 
     print(f"\nTree ({args.depth} deep, top-{args.topk}, {args.budget} nodes) vs chain ({args.budget} drafts), "
           f"{args.num_questions} questions, <= {args.max_tokens} tokens, load before start {load:.2f}\n")
-    print("| run | mean acceptance length | tokens/s | tree size | c | alpha | length vs chain | speed vs chain |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| run | mean acceptance length | tokens/s | vs plain | tree size | c | alpha | length vs chain "
+          "| speed vs chain |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key, r in rows.items():
-        print(f"| {key} | {f(r['mean_acceptance_length'])} | {f(r['tokens_per_s'])} | {f(r['mean_tree_size'], '.1f')} "
-              f"| {f(r['c'])} | {f(r['alpha'])} | {f(r.get('length_vs_chain'))} | {f(r.get('speed_vs_chain'))} |")
+        print(f"| {key} | {f(r['mean_acceptance_length'])} | {f(r['tokens_per_s'])} | {f(r.get('speed_vs_plain'))} "
+              f"| {f(r.get('mean_tree_size'), '.1f')} | {f(r.get('c'))} | {f(r.get('alpha'))} "
+              f"| {f(r.get('length_vs_chain'))} | {f(r.get('speed_vs_chain'))} |")
+    same = [k for k, r in rows.items() if "identical_to_plain" in r]
+    print(f"T = 0 outputs identical to plain decoding: {sum(rows[k]['identical_to_plain'] for k in same)}/{len(same)} runs")
     met = [k for k, r in rows.items() if (r.get("length_vs_chain") or 0) >= GOAL_LENGTH
            and (r.get("speed_vs_chain") or 0) >= GOAL_SPEED]
     print(f"\ngoal (length >= {GOAL_LENGTH}x and tokens/s >= {GOAL_SPEED}x the chain) met by: {', '.join(met) or 'none'}")
