@@ -140,7 +140,7 @@ def summarize(stats: dict, args: argparse.Namespace) -> dict:
             continue
         m = s["metrics"]
         _, c, alpha = m.cost_model(t1)
-        rows[f"{name}/{shape}/T={temp:g}"] = {
+        row = rows[f"{name}/{shape}/T={temp:g}"] = {
             "drafter": name, "shape": shape, "temperature": temp,
             "mean_acceptance_length": m.mean_acceptance_length,
             "tokens_per_s": s["tokens"] / s["seconds"] if s["seconds"] else None,
@@ -148,9 +148,8 @@ def summarize(stats: dict, args: argparse.Namespace) -> dict:
             "c": c, "alpha": alpha,
         }
         if plain and temp == 0:
-            rows[f"{name}/{shape}/T=0"]["speed_vs_plain"] = _ratio(rows[f"{name}/{shape}/T=0"]["tokens_per_s"],
-                                                                   rows["plain/T=0"]["tokens_per_s"])
-            rows[f"{name}/{shape}/T=0"]["identical_to_plain"] = s["outputs"] == plain["outputs"]
+            row["speed_vs_plain"] = _ratio(row["tokens_per_s"], rows["plain/T=0"]["tokens_per_s"])
+            row["identical_to_plain"] = s["outputs"] == plain["outputs"]
     for name in args.drafter_list:
         for temp in args.temps:
             ch, tr = rows[f"{name}/chain/T={temp:g}"], rows[f"{name}/tree/T={temp:g}"]
