@@ -88,6 +88,12 @@ def read_rows(target, data: Path, settings: TrainSettings,
     prompts: list[list[int]] = []
     rows: list[list[int]] = []
     starts: list[int] = []
+
+    def add_text(text: str) -> None:  # windows of text, all answer
+        windows = _windows(tok.encode(text), settings.seq_len)
+        rows.extend(windows)
+        starts.extend([0] * len(windows))
+
     if data.suffix == ".jsonl":
         for n, line in enumerate(data.read_text(encoding="utf-8").splitlines(), start=1):
             if not line.strip():
@@ -104,15 +110,11 @@ def read_rows(target, data: Path, settings: TrainSettings,
             elif isinstance(item.get("messages"), list):
                 prompts.append(tok.apply_chat_template(item["messages"]))
             elif isinstance(item.get("text"), str):
-                windows = _windows(tok.encode(item["text"]), settings.seq_len)
-                rows.extend(windows)
-                starts.extend([0] * len(windows))
+                add_text(item["text"])
             else:
                 raise ValueError(f"{data}:{n}: expected a string prompt, a messages list or a string text")
     else:
-        windows = _windows(tok.encode(data.read_text(encoding="utf-8", errors="replace")), settings.seq_len)
-        rows.extend(windows)
-        starts.extend([0] * len(windows))
+        add_text(data.read_text(encoding="utf-8", errors="replace"))
     if prompts:
         # Answered ANSWER_BATCH at a time (continuous batching): greedy rows do not depend on the
         # batch, and a CPU decodes 8 rows in about the time of 1.5.
@@ -130,10 +132,8 @@ def read_rows(target, data: Path, settings: TrainSettings,
             for seq in [s for s in running if s.finished]:
                 if seq.finish_reason == "error":
                     raise RuntimeError(f"self-distillation failed: {seq.error}")
-                prompt = running.pop(seq)
-                full = prompt + seq.output_ids
-                rows.append(full[-settings.seq_len:])
-                starts.append(max(0, len(prompt) - (len(full) - len(rows[-1]))))
+                rows.append((running.pop(seq) + seq.output_ids)[-settings.seq_len:])
+                starts.append(max(0, len(rows[-1]) - len(seq.output_ids)))  # the answer ends the row
                 answered += 1
                 log(f"self-distillation: answered prompt {answered}/{len(prompts)} ({len(seq.output_ids)} tokens)")
     shortest = max(settings.num_heads, settings.ttt_steps) + 2
