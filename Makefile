@@ -72,11 +72,10 @@ bench-tree: setup
 		--topk 2 --budget 6 --temperatures 0,1
 
 bench-batch: setup
-	$(VENV)/bin/verispec bench batch --quantization int4
+	$(VENV)/bin/verispec bench batch
 
 bench-server: setup
-	$(VENV)/bin/verispec bench server --quantization int4 --speculative-config \
-		'{"model": "qwen2.5-coder-0.5b-instruct", "num_speculative_tokens": 4, "quantization": "int4"}'
+	$(VENV)/bin/verispec bench server
 
 # One server against Ray Serve with 1 and with 2 replicas on the same cores (docs/scaling.md).
 bench-scale: setup

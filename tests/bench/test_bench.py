@@ -20,7 +20,7 @@ from verispec.bench import methods as bench_methods
 from verispec.bench.cli import run_and_report
 from verispec.bench.report import load_report
 from verispec.bench.runner import Settings
-from verispec.bench.workloads import load_workload
+from verispec.bench.workloads import OVERALL, load_workload
 from verispec.cli import main
 from verispec.speculative import base
 from verispec.speculative.base import Proposal
@@ -309,3 +309,31 @@ def test_bad_bench_input_fails_before_loading_the_model(capsys, argv, message):
 def test_bench_needs_a_model_unless_comparing(capsys):
     assert main(["bench"]) == 2
     assert "--model is required" in capsys.readouterr().err
+
+
+def test_the_fastest_verispec_method_is_held_against_each_other_engine(full_run):
+    """``vs_peers``: the verispec method fastest overall, over each other engine's method, per
+    category and overall, with the category where it does worst."""
+    from verispec.bench.report import against_peers, goals, render_markdown
+
+    specs = bench_methods.parse_methods("plain,ngram@k=3,hf:plain,openai:http://127.0.0.1:8080@llama-mod")
+    tok_s = {"plain": (10.0, 10.0, 10.0), "ngram@k=3": (20.0, 8.0, 12.0), "hf:plain": (5.0, 5.0, 5.0),
+             "openai:llama-mod": (10.0, 16.0, 11.0)}
+    results = {label: {c: {"tok_s": v} for c, v in zip(("alpha", "beta", OVERALL), figs)}
+               for label, figs in tok_s.items()}
+    peers = goals(results, specs, greedy=False)["vs_peers"]
+    assert [p["peer"] for p in peers] == ["hf:plain", "openai:llama-mod"]
+    assert {p["ours"] for p in peers} == {"ngram@k=3"}  # 12 tok/s overall, above plain's 10
+    hf, llama = peers
+    assert hf["per_category"] == pytest.approx({"alpha": 4.0, "beta": 1.6, OVERALL: 2.4})
+    assert (hf["lowest_category"], hf["lowest"]) == ("beta", pytest.approx(1.6))
+    assert llama["per_category"] == pytest.approx({"alpha": 2.0, "beta": 0.5, OVERALL: 12 / 11})
+    assert (llama["lowest_category"], llama["lowest"]) == ("beta", pytest.approx(0.5))
+    assert against_peers(results, specs, []) == []  # no verispec method ran: nothing to compare
+
+    report = dict(full_run[0], workload={**full_run[0]["workload"], "categories": ["alpha", "beta"]})
+    report["goals"] = {**report["goals"], "vs_peers": peers}
+    md = render_markdown(report)
+    assert "## Against the other engines" in md and "verispec's fastest method overall (ngram@k=3)" in md
+    assert "| hf:plain | 4.00x | 1.60x | 2.40x | beta 1.60x |" in md
+    assert "| openai:llama-mod | 2.00x | 0.50x | 1.09x | beta 0.50x |" in md

@@ -8,7 +8,7 @@ import pytest
 
 from verispec.bench.methods import parse_methods
 from verispec.bench.presets import PRESETS
-from verispec.bench.presets.reports import ADAPTIVE_METHODS, REPORT_METHODS
+from verispec.bench.presets.reports import ADAPTIVE_METHODS, REPORT_METHODS, REPORT_PEERS
 from verispec.cli import main
 
 
@@ -34,8 +34,27 @@ def test_every_preset_entry_exists_and_answers_help(capsys, name):
 def test_the_report_presets_name_valid_methods():
     adaptive = parse_methods(ADAPTIVE_METHODS)
     assert adaptive[0].label == "plain" and len(adaptive) == 13
-    without_llamacpp = parse_methods(REPORT_METHODS.split(",llamacpp:")[0])  # llama-cpp-python is optional
-    assert without_llamacpp[0].label == "plain" and len(without_llamacpp) == 9
+    ours = parse_methods(REPORT_METHODS)
+    assert ours[0].label == "plain" and len(ours) == 6 and {s.backend for s in ours} == {"verispec"}
+    assert all("quantization" not in s.options for s in ours)  # the GGUF files' own weights
+    without_llamacpp = parse_methods(REPORT_PEERS.split(",llamacpp:")[0])  # llama-cpp-python is optional
+    assert [s.backend for s in without_llamacpp[1:]] == ["hf"] * 3
+
+
+def test_the_report_preset_takes_other_peers(monkeypatch):
+    """``verispec bench report --peers LIST`` replaces the default other engines; the rest of the
+    options go on to ``verispec bench``."""
+    from verispec.bench.presets import reports
+
+    seen = []
+    monkeypatch.setattr(reports.bench_cli, "main", lambda argv, **kw: seen.append(argv) or 0)
+    peer = "openai:http://127.0.0.1:8080@llama-ngram-mod"
+    assert reports.spec_bench_report(["--peers", peer, "--resume"]) == 0
+    assert reports.spec_bench_report(["--peers="]) == 0
+    assert reports.spec_bench_report([]) == 0
+    methods = [argv[argv.index("--methods") + 1] for argv in seen]
+    assert methods == [f"{REPORT_METHODS},{peer}", REPORT_METHODS, f"{REPORT_METHODS},{REPORT_PEERS}"]
+    assert seen[0][-1] == "--resume" and "--peers" not in seen[0] and "--quantization" not in seen[0]
 
 
 def test_the_tree_preset_measures_against_plain_decoding_in_the_same_rotation():

@@ -31,7 +31,9 @@ slowest to the fastest T(1) measured by the runs of one block: how far apart in 
 methods compared side by side really ran.
 
 Goals: verispec's best speculative method >= 2x the best ``hf:assisted`` tok/s, verispec plain
->= 1.5x ``hf:plain``, and every verispec answer at T = 0 identical to plain. When the methods
+>= 1.5x ``hf:plain``, and every verispec answer at T = 0 identical to plain. ``vs_peers`` puts
+verispec's fastest method overall against each other engine's method (transformers, llama.cpp,
+an ``openai:*`` server), overall and per category. When the methods
 hold a drafter both adaptive (the default) and with fixed k (``adaptive=false``), otherwise
 alike, each adaptive variant is also held to the controller's goals: within 5% of the best fixed
 k in every category, at least 5% above it overall, and never below 0.97x plain in a category.
@@ -184,7 +186,26 @@ def goals(results: dict, specs: list[MethodSpec], greedy: bool) -> dict:
         "verispec_t0_identical": {"identical": same, "compared": compared,
                                   "met": (same == compared) if greedy and compared else None},
         "adaptive_vs_fixed": adaptive_goals(results, specs),
+        "vs_peers": against_peers(results, specs, overall(lambda s: s.backend == "verispec")),
     }
+
+
+def against_peers(results: dict, specs: list[MethodSpec], ours: list[tuple[float, str]]) -> list[dict]:
+    """verispec's fastest method overall (plain included) against each other engine's method, end
+    to end tok/s, overall and per category, and the category where it does worst."""
+    if not ours:
+        return []
+    best = results[ours[0][1]]
+    out = []
+    for s in specs:
+        if s.backend == "verispec" or OVERALL not in results[s.label]:
+            continue
+        ratios = {c: _ratio(best.get(c, {}).get("tok_s"), f.get("tok_s")) for c, f in results[s.label].items()}
+        cats = {c: r for c, r in ratios.items() if c != OVERALL and r is not None}
+        lowest = min(cats, key=cats.get) if cats else None
+        out.append({"peer": s.label, "ours": ours[0][1], "per_category": ratios,
+                    "lowest_category": lowest, "lowest": cats.get(lowest)})
+    return out
 
 
 def adaptive_families(specs: list[MethodSpec]) -> dict[str, tuple[list[str], list[str]]]:
@@ -376,6 +397,14 @@ def render_markdown(report: dict) -> str:
         lines += [f"| {c} | {_f(p['adaptive'])}x | {p['best_fixed']} | {_f(p['best_fixed_speedup'])}x | "
                   f"{_f(p['vs_best'])} |" for c, p in a["per_category"].items()]
     lines += ["", "## Goals", ""] + _goal_lines(report["goals"])
+    peers = report["goals"].get("vs_peers") or []
+    if peers:
+        lines += ["", "## Against the other engines", "",
+                  f"verispec's fastest method overall ({peers[0]['ours']}) over each other engine's method: end to "
+                  "end tok/s ratios, per category and overall.", "",
+                  "| other engine | " + " | ".join(cats) + " | lowest |", "|---|" + "---:|" * (len(cats) + 1)]
+        lines += [f"| {p['peer']} | " + " | ".join(_times(p["per_category"].get(c)) for c in cats)
+                  + f" | {p['lowest_category'] or '-'} {_times(p['lowest'])} |" for p in peers]
     d = report.get("drift") or {}
     if d.get("blocks"):
         adjusted = [(label, by_cat) for label, by_cat in report["results"].items()

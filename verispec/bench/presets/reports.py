@@ -8,6 +8,8 @@ it lacks. Any further option is passed on to
 
 from __future__ import annotations
 
+import argparse
+
 from verispec.bench import cli as bench_cli
 
 TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -17,9 +19,13 @@ ALL_CATEGORIES = ("writing,roleplay,reasoning,math,coding,extraction,stem,humani
                   "math_reasoning,rag")
 
 REPORT_METHODS = ",".join([
-    "plain", "ngram@k=4", "suffix@k=8", "lookahead@k=3", f"{DRAFT}@k=4,quantization=int4",
-    f"{DRAFT}@k=5,draft_topk=2,num_draft_tokens=6,quantization=int4", "hf:plain", f"hf:assisted:{HF_DRAFT}",
-    "hf:prompt_lookup", "llamacpp:plain", "llamacpp:prompt_lookup",
+    "plain", "ngram@k=4", "suffix@k=8", "lookahead@k=3", f"{DRAFT}@k=4",
+    f"{DRAFT}@k=5,draft_topk=2,num_draft_tokens=6",
+])
+# The other engines the report runs beside verispec, unless --peers names others (e.g. llama-server
+# in its speculative modes, as openai:URL@LABEL methods).
+REPORT_PEERS = ",".join([
+    "hf:plain", f"hf:assisted:{HF_DRAFT}", "hf:prompt_lookup", "llamacpp:plain", "llamacpp:prompt_lookup",
 ])
 ADAPTIVE_METHODS = ",".join([
     "plain", "ngram@k=8",
@@ -29,19 +35,31 @@ ADAPTIVE_METHODS = ",".join([
 ])
 
 
-def _run(name: str, out: str, settings: list[str], argv: list[str]) -> int:
+def _run(name: str, out: str, settings: list[str], argv: list[str], extra: str = "") -> int:
     description = (f"verispec bench with the settings of docs/benchmarks/{out}: {' '.join(settings)}. "
-                   "Options given here are added after them (a repeated option wins).")
+                   "Options given here are added after them (a repeated option wins)." + (" " + extra if extra else ""))
     return bench_cli.main([*settings, *argv], prog=f"verispec bench {name}", description=description)
 
 
+def split_peers(argv: list[str]) -> tuple[str, list[str]]:
+    """``--peers LIST`` taken out of ``argv``: the peer methods, and the rest."""
+    parser = argparse.ArgumentParser(prog="verispec bench report", add_help=False, allow_abbrev=False)
+    parser.add_argument("--peers", default=REPORT_PEERS)
+    known, rest = parser.parse_known_args(argv)
+    return known.peers, rest
+
+
 def spec_bench_report(argv: list[str]) -> int:
-    """``make bench-report``: docs/benchmarks/spec-bench/."""
+    """``make bench-report``: docs/benchmarks/spec-bench/. The target and its drafts run on the GGUF
+    files' own weights (the native kernels on a CPU)."""
+    peers, argv = split_peers(argv)
+    methods = ",".join(m for m in (REPORT_METHODS, peers) if m)
     return _run("report", "spec-bench", [
-        "--model", TARGET, "--quantization", "int4", "--threads", "2", "--num-questions", "3",
+        "--model", TARGET, "--threads", "2", "--num-questions", "3",
         "--max-tokens", "128", "--out", "docs/benchmarks/spec-bench", "--no-progress",
-        "--methods", REPORT_METHODS,
-    ], argv)
+        "--methods", methods,
+    ], argv, extra=(f"--peers LIST replaces the other engines run beside verispec (default: {REPORT_PEERS}; "
+                    "empty: none), e.g. llama-server in its speculative modes as openai:URL@LABEL methods."))
 
 
 def adaptive_report(argv: list[str]) -> int:
