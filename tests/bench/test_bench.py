@@ -337,3 +337,8 @@ def test_the_fastest_verispec_method_is_held_against_each_other_engine(full_run)
     assert "## Against the other engines" in md and "verispec's fastest method overall (ngram@k=3)" in md
     assert "| hf:plain | 4.00x | 1.60x | 2.40x | beta 1.60x |" in md
     assert "| openai:llama-mod | 2.00x | 0.50x | 1.09x | beta 0.50x |" in md
+    assert "hf:assisted" not in md and "hf:plain:" not in md  # transformers did not run: no line for it
+    report["goals"]["best_verispec_vs_hf_assisted"] = {"ours": "ngram@k=3", "theirs": "hf:assisted:d",
+                                                       "ratio": 2.5, "goal": 2.0, "met": True}
+    assert "- best verispec method vs hf:assisted: ngram@k=3 / hf:assisted:d = 2.50x (goal >= 2.0x: met)" \
+        in render_markdown(report)

@@ -19,9 +19,10 @@ Figures per level and server:
   level, and (``alone``) how many of the speculative server's equal what the plain server gave
   at the lowest level (one request at a time when that level is 1).
 
-Goals (issue "OpenAI-compatible server"): speculation >= 1.3x plain throughput at concurrency
-1 and >= 0.95x at concurrency 8; plain throughput at concurrency 8 >= 3x plain at
-concurrency 1 (the batching is real). A Markdown table is printed, then one JSON line.
+Goals (issue "Speculation that pays on a CPU", which raised those of the first server issue):
+speculation >= 1.3x plain throughput at concurrency 1 and >= 1.0x at concurrency 8; plain
+throughput at concurrency 8 >= 4x plain at concurrency 1 (the batching is real). A Markdown
+table is printed, then one JSON line.
 """
 
 from __future__ import annotations
@@ -170,9 +171,9 @@ def summarise(args: argparse.Namespace, levels: list[int], results: dict, load: 
     if 1 in by_c:
         goals["spec_speedup_c1>=1.3"] = by_c[1]["speedup"]
     if 8 in by_c:
-        goals["spec_speedup_c8>=0.95"] = by_c[8]["speedup"]
+        goals["spec_speedup_c8>=1.0"] = by_c[8]["speedup"]
     if 1 in by_c and 8 in by_c:
-        goals["plain_c8_over_c1>=3"] = ratio(by_c[8]["plain"]["throughput_tok_s"], by_c[1]["plain"]["throughput_tok_s"])
+        goals["plain_c8_over_c1>=4"] = ratio(by_c[8]["plain"]["throughput_tok_s"], by_c[1]["plain"]["throughput_tok_s"])
     return {"target": args.target, "speculative_config": json.loads(args.speculative_config),
             "max_tokens": args.max_tokens, "threads": args.threads, "load_before": load,
             "levels": rows, "goals": goals}

@@ -4,7 +4,10 @@ The workload is code editing: each request asks the target to rewrite a short fu
 150 tokens of code) with one thing changed. Round 1 sends every code body once; round 2 sends the
 same bodies again with a small variation of the instruction, which is where suffix decoding's
 global cache of earlier outputs pays off. ``--questions N`` also runs the first N coding
-questions of Spec-Bench (``question.jsonl``).
+questions of Spec-Bench (``question.jsonl``). ``--peers`` adds running OpenAI-compatible servers
+(``openai:URL[@LABEL]``, e.g. llama-server with ``--spec-type ngram-mod``) to the rotation: each
+request goes to them as its prompt ids, streamed, and their decode time is the time after the
+first streamed token.
 
 Every method has its own engine, built once, so each suffix drafter keeps its own global cache
 across the run. For each request all methods run in turn, the first one rotating from request to
@@ -35,6 +38,7 @@ METHODS = ("plain", "ngram", "suffix", "lookahead")
 GROUPS = ("round1", "round2", "repetitive", "coding")
 GOAL_SUFFIX = 2.5  # suffix speedup on the repetitive workload
 GOAL_LOOKAHEAD = 1.2  # lookahead speedup on Spec-Bench coding questions
+GOAL_VS_PEERS = 2.0  # the better of suffix and ngram over the fastest peer, repetitive workload
 
 CODE_BODIES = [
     '''def moving_average(values, window):
@@ -234,6 +238,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--suffix-max-spec-factor", type=float, default=1.0, help="suffix_decoding_max_spec_factor")
     p.add_argument("--lookahead", default="2,3,2", metavar="W,N,G", help="lookahead window, n-gram and guess sizes")
     p.add_argument("--methods", default=",".join(METHODS), help="subset of %(default)s; plain is always run")
+    p.add_argument("--peers", default="", metavar="openai:URL[@LABEL],...",
+                   help="running OpenAI-compatible servers to time beside verispec (e.g. llama-server's n-gram modes)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
     p.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
                    help="the target's and the draft's linear layers alike (auto: a GGUF file's own weights on the native kernels; default: %(default)s)")
@@ -251,11 +257,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.method_list) - set(METHODS)
     if unknown:
         p.error(f"--methods: unknown {', '.join(sorted(unknown))}; valid: {', '.join(METHODS)}")
+    args.peer_specs = parse_peers(p, args.peers)
     if args.questions:
         args.question_file = args.question_file or spec_bench_path()
         if not args.question_file.is_file():
             p.error(f"question file not found: {args.question_file}")
     return args
+
+
+def parse_peers(p: argparse.ArgumentParser, text: str) -> list:
+    """``--peers``: openai:URL[@LABEL] methods only, with distinct labels."""
+    from verispec.bench.methods import parse_methods
+
+    if not text:
+        return []
+    try:
+        specs = [s for s in parse_methods(text) if not s.is_plain]
+    except ValueError as e:
+        p.error(f"--peers: {e}")
+    given = [item for item in text.split(",") if item.strip()]  # parse_methods drops repeated labels
+    if any(s.backend != "openai" for s in specs) or len(specs) < len(given):
+        p.error(f"--peers takes openai:URL[@LABEL] methods with distinct labels, got {text!r}")
+    return specs
+
+
+def run_peer(runner: Any, prompt_ids: list[int], max_tokens: int) -> dict:
+    """One request to a peer server, in :func:`run_one`'s form: decode time is the time after the
+    first streamed token; the peer reports no acceptance."""
+    from verispec.config import SamplingParams
+
+    r = runner.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return {"output_ids": list(r.output_ids), "metrics": None, "total_s": r.total_s, "prefill_s": r.prefill_s,
+            "decode_s": r.total_s - r.prefill_s, "decode_tokens": max(len(r.output_ids) - 1, 0),
+            "finish_reason": r.finish_reason}
 
 
 def build_engines(args: argparse.Namespace, target: Any, max_model_len: int) -> dict[str, Any]:
@@ -289,15 +323,16 @@ def aggregate(runs: list[dict], methods: list[str]) -> dict:
                           {s["request"] for s in sel})
             metrics = SpecMetrics()
             for r in sel:
-                metrics.merge(r["metrics"])
+                if r["metrics"] is not None:  # a peer server reports none
+                    metrics.merge(r["metrics"])
             decode_s, tokens = sum(r["decode_s"] for r in sel), sum(r["decode_tokens"] for r in sel)
             results[method][group] = {
                 "requests": len(sel),
                 "decode_tokens": tokens,
                 "decode_tok_s": tokens / decode_s if decode_s > 0 else None,
                 "speedup": plain_s / decode_s if decode_s > 0 else None,
-                "mean_acceptance_length": metrics.mean_acceptance_length,
-                "acceptance_rate": metrics.acceptance_rate,
+                "mean_acceptance_length": metrics.mean_acceptance_length if metrics.num_rounds else None,
+                "acceptance_rate": metrics.acceptance_rate if metrics.num_rounds else None,
                 "identical": sum(r["divergence"] is None for r in sel),
             }
     return results
@@ -320,12 +355,19 @@ def print_report(args: argparse.Namespace, results: dict, load: float) -> None:
     print()
 
 
-def goals(results: dict) -> dict:
+def goals(results: dict, peers: list[str] = ()) -> dict:
     def speedup(method: str, group: str) -> float | None:
         return results.get(method, {}).get(group, {}).get("speedup")
 
     suffix, lookahead = speedup("suffix", "repetitive"), speedup("lookahead", "coding")
+    def fastest(methods) -> tuple[float, str] | None:
+        return max(((v, m) for m in methods if (v := speedup(m, "repetitive")) is not None), default=None)
+
+    ours, theirs = fastest(("suffix", "ngram")), fastest(peers)
+    ratio = ours[0] / theirs[0] if ours and theirs else None
     return {
+        "vs_fastest_peer": {"ours": ours and ours[1], "peer": theirs and theirs[1], "ratio": ratio,
+                            "goal": GOAL_VS_PEERS, "met": None if ratio is None else ratio >= GOAL_VS_PEERS},
         "suffix_repetitive": {"speedup": suffix, "goal": GOAL_SUFFIX,
                               "met": None if suffix is None else suffix >= GOAL_SUFFIX},
         "suffix_vs_ngram": {g: None if speedup("suffix", g) is None or speedup("ngram", g) is None
@@ -349,7 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [target.tokenizer.apply_chat_template(text) for _, text in requests]
     max_model_len = max(len(p) for p in prompts) + args.max_tokens + args.k + 8
     engines = build_engines(args, target, max_model_len)
-    methods = args.method_list
+    from verispec.bench.methods import OpenAIRunner
+
+    peers = {spec.label: OpenAIRunner(spec.arg, target.tokenizer) for spec in args.peer_specs}
+    methods = args.method_list + list(peers)
 
     runs: list[dict] = []
     for i, ((group, _), ids) in enumerate(zip(requests, prompts)):
@@ -357,11 +402,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"request {i + 1}/{len(requests)} ({group}, {len(ids)} prompt tokens)")
         by_method = {}
         for method in order:
-            r = run_one(engines[method], ids, args.max_tokens)
+            r = run_peer(peers[method], ids, args.max_tokens) if method in peers else \
+                run_one(engines[method], ids, args.max_tokens)
             r.update(method=method, group=group, request=i)
             by_method[method] = r
             log(f"  {method:>10}: {r['decode_tokens'] + 1} tokens, decode {r['decode_s']:.2f} s, "
-                f"mean acc len {fmt(r['metrics'].mean_acceptance_length)}")
+                f"mean acc len {fmt(r['metrics'] and r['metrics'].mean_acceptance_length)}")
         for method in methods:
             by_method[method]["divergence"] = first_divergence(by_method[method]["output_ids"],
                                                                by_method["plain"]["output_ids"])
@@ -369,10 +415,15 @@ def main(argv: list[str] | None = None) -> int:
 
     results = aggregate(runs, methods)
     print_report(args, results, load_start)
+    vs = goals(results, list(peers))["vs_fastest_peer"]
+    if vs["ratio"] is not None:
+        print(f"{vs['ours']} over the fastest peer ({vs['peer']}), decode speed on the repetitive workload: "
+              f"{vs['ratio']:.2f}x (goal >= {GOAL_VS_PEERS:g}x)\n")
     result = {"bench": "suffix", "target": args.target, "max_tokens": args.max_tokens, "k": args.k,
               "lookahead": [args.window, args.ngram, args.guess], "threads": args.threads,
               "requests": len(requests), "loadavg_start": load_start, "loadavg_end": os.getloadavg()[0],
-              "results": results, "goals": goals(results)}
+              "peers": {spec.label: spec.arg for spec in args.peer_specs},
+              "results": results, "goals": goals(results, list(peers))}
     line = json.dumps(result)
     if args.out:
         args.out.write_text(line + "\n")
