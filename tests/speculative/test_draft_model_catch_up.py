@@ -10,6 +10,7 @@ the target itself after a long prompt (the prefill path) and many plain-decoded 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from verispec.config import SamplingParams
@@ -34,6 +35,25 @@ def test_a_self_draft_after_a_long_catch_up_reproduces_the_target():
     drafter = DraftModelDrafter(target, VOCAB, 256)
     drafter.start(seq)
     assert drafter.cache.length(seq.slot) == 0  # start reads nothing
+    assert seq.metrics.catch_up_time_s == 0.0
     proposal = drafter.propose(seq, k)
     assert proposal.tokens == full[generated:generated + k]
     assert drafter.cache.length(seq.slot) == len(seq.token_ids) + k - 1
+    caught_up = seq.metrics.catch_up_time_s
+    assert caught_up > 0  # the prompt and the plain rounds' tokens, timed apart from drafting
+    drafter.catch_up(seq)  # nothing left to catch up on: no time counted
+    assert seq.metrics.catch_up_time_s == caught_up
+
+
+def test_c_leaves_the_catch_up_out():
+    """c prices a draft token; a draft model's catching up is counted apart, not spread over c."""
+    from verispec.speculative.metrics import SpecMetrics
+
+    m = SpecMetrics(num_draft_tokens=10, draft_time_s=3.0, catch_up_time_s=2.0)
+    m.record_target(1, 0.1)
+    _, c, _ = m.cost_model()
+    assert c == pytest.approx((3.0 - 2.0) / 10 / 0.1)
+    both = SpecMetrics.from_dict(m.to_dict())
+    both.merge(m)
+    assert both.catch_up_time_s == 4.0 and both.summary()["catch_up_time_s"] == 4.0
+    assert "catching up 4.00s" in both.format()

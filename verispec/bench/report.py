@@ -11,7 +11,8 @@ Figures per method, per category and ``overall`` (all runs of every turn and rep
 * ``mean_acceptance_length``, ``acceptance_rate``, ``per_position_acceptance``, ``c`` and
   ``alpha`` -- from the pooled :class:`~verispec.speculative.metrics.SpecMetrics` (verispec methods
   only), with T_target(1) taken from plain decoding in the same category;
-  ``draft_share`` / ``verify_share`` -- drafting / verify-pass time over decode time.
+  ``draft_share`` / ``verify_share`` -- drafting (a draft model's catching up included) /
+  verify-pass time over decode time.
 * ``identical`` -- at T = 0, how many runs are token-identical to plain decoding's answer to
   the same turn of the same question in the same repeat (plain itself is compared with its
   first repeat), and ``first_divergence`` (question, turn, repeat, token index). transformers
@@ -113,7 +114,7 @@ def _figures(sel: list[Run], div: list, plain: dict | None) -> dict:
     fig["_t1"] = merged.target_step_time(1)
     s = merged.summary(plain["_t1"] if plain else None) if have_metrics else {}
     for key in ("mean_acceptance_length", "acceptance_rate", "per_position_acceptance", "c", "alpha",
-                "target_step_time_s", "draft_time_s", "verify_time_s"):
+                "target_step_time_s", "draft_time_s", "catch_up_time_s", "verify_time_s"):
         fig[key] = s.get(key)
     fig["draft_share"] = _ratio(s.get("draft_time_s"), decode) if have_metrics else None
     fig["verify_share"] = _ratio(s.get("verify_time_s"), decode) if have_metrics else None

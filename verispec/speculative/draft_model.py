@@ -18,6 +18,7 @@ settings and generator, and returns q with the tokens, so verification stays exa
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -76,6 +77,7 @@ class DraftModelDrafter:
         start, stop = self.cache.length(slot), seq.num_tokens - 1
         if stop - start <= 1:
             return  # a usual round: its first forward feeds the (at most two) new tokens together
+        t0 = time.perf_counter()
         ids = seq.token_ids
         bounds = [len(seq.prompt_ids)] if start < len(seq.prompt_ids) < stop else []
         bounds += list(range(max(start, len(seq.prompt_ids)) + DECODE_CHUNK, stop, DECODE_CHUNK)) + [stop]
@@ -84,6 +86,7 @@ class DraftModelDrafter:
                 # the prompt in one pass from the start, as the target's prefill read it
                 self._forward(slot, ids[start:end], prefill=start == 0 and end == len(seq.prompt_ids))
                 start = end
+        seq.metrics.catch_up_time_s += time.perf_counter() - t0  # part of the round's drafting time
 
     def propose(self, seq: Sequence, k: int) -> Proposal:
         self.catch_up(seq)

@@ -8,7 +8,10 @@ Conventions (the same as vLLM and llama.cpp):
   k drafts can score at most k + 1.
 * **per-position acceptance** [i] = P(draft i accepted | draft i was proposed), i = 0..k-1.
 * **c** = (drafting time per round / tokens proposed that round) / T_target(1): the cost of one
-  draft token in units of one plain target decode step.
+  draft token in units of one plain target decode step. A draft model's catching up (reading
+  the prompt in its first round, or tokens committed while it did not draft) is left out of c
+  and counted apart in ``catch_up_time_s``: it grows with the prompt, not with the drafts, and
+  the adaptive controller prices it apart too.
 * **tree rounds**: for a tree proposal, "proposed" counts every tree node (so per-position
   acceptance [i] is the fraction of tree rounds that accepted more than i tokens);
   ``accepted_depth_counts[d]`` counts tree rounds whose accepted path had depth d, and
@@ -36,6 +39,7 @@ class SpecMetrics:
     proposed_at: list[int] = field(default_factory=list)  # [k_max] drafts proposed at position i
     accepted_at: list[int] = field(default_factory=list)  # [k_max] drafts accepted at position i
     draft_time_s: float = 0.0
+    catch_up_time_s: float = 0.0  # of draft_time_s: a draft model reading what it had not seen, its prompt included
     verify_time_s: float = 0.0
     other_time_s: float = 0.0
     prefill_time_s: float = 0.0
@@ -76,7 +80,7 @@ class SpecMetrics:
     def merge(self, other: SpecMetrics) -> None:
         """Add another request's counters into this (aggregate) object."""
         for name in ("num_rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                     "num_committed_tokens", "draft_time_s", "verify_time_s", "other_time_s",
+                     "num_committed_tokens", "draft_time_s", "catch_up_time_s", "verify_time_s", "other_time_s",
                      "prefill_time_s", "tree_rounds", "tree_nodes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.proposed_at, other.proposed_at), (self.accepted_at, other.accepted_at),
@@ -141,7 +145,8 @@ class SpecMetrics:
             t1 = self.target_step_time(1) or (intercept + slope if slope is not None else None)
         if t1 is None or t1 <= 0:
             return None, None, None
-        c = self.draft_time_s / self.num_draft_tokens / t1 if self.num_draft_tokens else None
+        drafting = self.draft_time_s - self.catch_up_time_s  # catching up is a cost of its own
+        c = drafting / self.num_draft_tokens / t1 if self.num_draft_tokens else None
         if slope is None:
             # One verify width n plus the given t1: alpha from the two points.
             wide = [(n, t) for n, t in points if n > 1]
@@ -163,6 +168,7 @@ class SpecMetrics:
             "accepted_depth_counts": self.accepted_depth_counts,
             "prefill_time_s": self.prefill_time_s,
             "draft_time_s": self.draft_time_s,
+            "catch_up_time_s": self.catch_up_time_s,
             "verify_time_s": self.verify_time_s,
             "other_time_s": self.other_time_s,
             "target_step_time_s": t1_,
@@ -187,7 +193,8 @@ class SpecMetrics:
             f"acceptance rate {f(s['acceptance_rate'])}, mean acceptance length "
             f"{f(s['mean_acceptance_length'], '.2f')} (bonus included)",
             f"per-position acceptance: {pos}",
-            f"time: prefill {s['prefill_time_s']:.2f}s, draft {s['draft_time_s']:.2f}s, "
+            f"time: prefill {s['prefill_time_s']:.2f}s, draft {s['draft_time_s']:.2f}s "
+            f"(catching up {s['catch_up_time_s']:.2f}s), "
             f"verify {s['verify_time_s']:.2f}s, other {s['other_time_s']:.2f}s",
             f"cost model: T_target(1) {f(s['target_step_time_s'] and s['target_step_time_s'] * 1e3, '.1f')} ms, "
             f"c {f(s['c'])}, alpha {f(s['alpha'])}",
