@@ -355,18 +355,19 @@ def print_report(args: argparse.Namespace, results: dict, load: float) -> None:
     print()
 
 
-def goals(results: dict, peers: list[str] = ()) -> dict:
+def goals(results: dict, peers: tuple[str, ...] | list[str] = ()) -> dict:
     def speedup(method: str, group: str) -> float | None:
         return results.get(method, {}).get(group, {}).get("speedup")
 
-    suffix, lookahead = speedup("suffix", "repetitive"), speedup("lookahead", "coding")
-    def fastest(methods) -> tuple[float, str] | None:
-        return max(((v, m) for m in methods if (v := speedup(m, "repetitive")) is not None), default=None)
+    def fastest(methods) -> tuple[float | None, str | None]:
+        """(speedup, method) of the fastest of ``methods`` on the repetitive workload."""
+        return max(((v, m) for m in methods if (v := speedup(m, "repetitive")) is not None), default=(None, None))
 
-    ours, theirs = fastest(("suffix", "ngram")), fastest(peers)
-    ratio = ours[0] / theirs[0] if ours and theirs else None
+    suffix, lookahead = speedup("suffix", "repetitive"), speedup("lookahead", "coding")
+    (ours, our_method), (theirs, peer) = fastest(("suffix", "ngram")), fastest(peers)
+    ratio = ours / theirs if ours is not None and theirs else None
     return {
-        "vs_fastest_peer": {"ours": ours and ours[1], "peer": theirs and theirs[1], "ratio": ratio,
+        "vs_fastest_peer": {"ours": our_method, "peer": peer, "ratio": ratio,
                             "goal": GOAL_VS_PEERS, "met": None if ratio is None else ratio >= GOAL_VS_PEERS},
         "suffix_repetitive": {"speedup": suffix, "goal": GOAL_SUFFIX,
                               "met": None if suffix is None else suffix >= GOAL_SUFFIX},
