@@ -268,6 +268,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: MODEL)")
     s.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (default 8)")
     s.add_argument("--max-model-len", type=int, default=4096, help="prompt + output tokens per sequence")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse a finished request's K/V for the next prompt that starts with the same tokens "
+                   "(exact; default: on where that costs nothing, a GGUF model on the CPU kernels without "
+                   "dense bf16 prefill copies)")
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
     s.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds from a request's arrival to its last token; past it the request ends "
@@ -336,7 +340,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           max_request_bytes=args.max_request_bytes,
           served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
           max_model_len=args.max_model_len, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
-          request_timeout_s=args.request_timeout or None, exit_on_fatal=args.exit_on_fatal)
+          request_timeout_s=args.request_timeout or None, exit_on_fatal=args.exit_on_fatal,
+          prefix_caching=args.enable_prefix_caching)
     return 0
 
 
@@ -365,6 +370,7 @@ def _serve_replicated(args: argparse.Namespace, spec: SpeculativeConfig | None, 
             served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
             threads=args.threads, request_timeout_s=args.request_timeout or None,
+            enable_prefix_caching=args.enable_prefix_caching,
             max_request_bytes=args.max_request_bytes, api_key=api_key,
             num_replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
             target_ongoing_requests=args.target_ongoing_requests, num_cpus=args.replica_cpus, num_gpus=gpus)

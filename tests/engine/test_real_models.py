@@ -51,3 +51,22 @@ def test_incompatible_draft_vocabulary_is_a_clear_error(smollm, qwen_target):
 
     with pytest.raises(ValueError, match="incompatible"):
         check_vocab_compatible(qwen_target, smollm)
+
+
+def test_smollm2_second_turn_on_a_cached_prefix_equals_a_fresh_engine(smollm):
+    """Prefix caching on the real model's native kernels: the second turn of a chat reuses the
+    first turn's K/V and answers exactly as an engine that never saw the first turn."""
+    eng = Engine(smollm, max_model_len=MAX_MODEL_LEN, max_num_seqs=2)
+    if not eng.prefix_caching:
+        pytest.skip("prefix caching is off for this model on this CPU (dense prefill copies)")
+    tok = smollm.tokenizer
+    question = PROMPTS[0]
+    first = eng.generate(tok.apply_chat_template(question), GREEDY)
+    turns = [{"role": "user", "content": question}, {"role": "assistant", "content": first.text},
+             {"role": "user", "content": "Now say it in one sentence."}]
+    ids = tok.apply_chat_template(turns)
+    second = eng.generate(ids, GREEDY)
+    assert second.metrics.cached_prompt_tokens >= len(first.prompt_ids)
+    fresh = Engine(smollm, max_model_len=MAX_MODEL_LEN).generate(ids, GREEDY)
+    assert fresh.metrics.cached_prompt_tokens == 0
+    assert second.output_ids == fresh.output_ids

@@ -455,6 +455,23 @@ class Decoder(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
+    def rows_are_pass_invariant(self) -> bool:
+        """Whether each row of a pass other than a long prompt's prefill depends only on its token,
+        its position and the cache entries it attends to, bitwise, whatever else the pass holds:
+        its row count, its length in the cache, where it starts. True where attention runs on the
+        native kernel (:func:`native_attention`: float32 on the CPU), whose rows depend only on
+        their own keys, and every linear layer is native or :func:`invariant_linear`. Then a
+        prompt prefilled through the decode path leaves exactly the K/V that decode steps would,
+        which prefix caching relies on (:mod:`verispec.engine.engine`). Elsewhere torch's
+        attention matmuls change a row's last bits with the number of keys a pass spans."""
+        return (self.device.type == "cpu" and self.dtype == torch.float32 and self.config.head_dim % 16 == 0
+                and kernels.available())
+
+    def keeps_dense_prefill(self) -> bool:
+        """Whether native layers keep dense bf16 copies for long prompts' prefill (CPUs with native
+        bf16 arithmetic), which the decode path does not use."""
+        return any(isinstance(m, NativeLinear) and m.dense is not None for m in self.modules())
+
 
     def new_cache(self, max_len: int, num_slots: int = 1, block: int = 256) -> KVCache:
         c = self.config

@@ -472,7 +472,7 @@ class _Reply:
     def _envelope(self, kind: str, choice: dict, seq: Sequence | None) -> dict:
         body = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
         if seq is not None:
-            body["usage"] = protocol.usage(self.prompt_tokens, len(seq.output_ids))
+            body["usage"] = protocol.usage(self.prompt_tokens, len(seq.output_ids), seq.metrics.cached_prompt_tokens)
             body["speculative_stats"] = protocol.speculative_stats(seq.metrics)
         return body
 

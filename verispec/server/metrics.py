@@ -51,6 +51,8 @@ class ServerMetrics:
         self.rejected = counter("request_rejected", "Requests refused before running: queue_full, "
                                 "shutting_down, engine_dead or invalid.", ("reason",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.cached_prompt_tokens = counter("prompt_tokens_cached", "Prompt tokens whose K/V an earlier request "
+                                            "left in the slot (prefix caching), of prompt_tokens.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.running = gauge("num_requests_running", "Requests in the running batch (admitted, not ended).")
         self.waiting = gauge("num_requests_waiting", "Requests in the waiting queue.")

@@ -94,6 +94,7 @@ class ScaleOutConfig(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch threads per replica (default: num_cpus)")
     request_timeout_s: float | None = Field(600.0, gt=0)
     max_request_bytes: int = Field(MAX_REQUEST_BYTES, ge=1)
+    enable_prefix_caching: bool | None = Field(None, description="default: on where exact and free (see Engine)")
     api_key: str | None = Field(None, description="default: $VERISPEC_API_KEY on the ingress")
     # placement and scaling
     num_replicas: int = Field(1, ge=1)
@@ -292,7 +293,7 @@ class EngineReplica:
         set_threads(config.threads or max(1, int(config.num_cpus)))
         target = load_model(config.model, device=config.device, dtype=config.dtype, progress=False)
         engine = Engine(target, config.spec(), max_model_len=config.max_model_len,
-                        max_num_seqs=config.max_num_seqs)
+                        max_num_seqs=config.max_num_seqs, prefix_caching=config.enable_prefix_caching)
         self.app = build_app(engine, config.name, max_queue=config.max_queue,
                              max_request_bytes=config.max_request_bytes,
                              request_timeout_s=config.request_timeout_s)

@@ -285,6 +285,7 @@ class EngineRunner:
             now = time.monotonic()
             self.metrics.ttft.observe(now - r.arrival)
             self.metrics.prompt_tokens.inc(len(r.prompt_ids))
+            self.metrics.cached_prompt_tokens.inc(seq.metrics.cached_prompt_tokens)
             r.last_token_at = now
             self._running[seq] = r
             self._update_gauges()

@@ -43,6 +43,7 @@ class SpecMetrics:
     verify_time_s: float = 0.0
     other_time_s: float = 0.0
     prefill_time_s: float = 0.0
+    cached_prompt_tokens: int = 0  # prompt positions whose K/V an earlier request left (prefix caching)
     tree_rounds: int = 0
     tree_nodes: int = 0
     accepted_depth_counts: list[int] = field(default_factory=list)  # [max depth + 1]
@@ -81,7 +82,7 @@ class SpecMetrics:
         """Add another request's counters into this (aggregate) object."""
         for name in ("num_rounds", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                      "num_committed_tokens", "draft_time_s", "catch_up_time_s", "verify_time_s", "other_time_s",
-                     "prefill_time_s", "tree_rounds", "tree_nodes"):
+                     "prefill_time_s", "cached_prompt_tokens", "tree_rounds", "tree_nodes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.proposed_at, other.proposed_at), (self.accepted_at, other.accepted_at),
                              (self.accepted_depth_counts, other.accepted_depth_counts)):
