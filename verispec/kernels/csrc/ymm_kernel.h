@@ -195,8 +195,8 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
 
 // The rows in blocks of at most 4, as even as possible (9 rows: 3 + 3 + 3), since a block's
 // cost per row falls with its size. A K-quant superblock's scales are unpacked once for all the
-// blocks (with the weights in cache on Zen 3, a Q4_K superblock at 9 rows 505 -> 474 ns, at 16
-// rows 802 -> 750 ns); the 32-wide formats' are a few loads, made inside the block.
+// blocks (weights in cache, Zen 3: a Q4_K superblock at 9 rows 488-508 -> 474-486 ns, at 16 rows
+// 802-840 -> 750-806 ns); the 32-wide formats' are a few loads, made inside the block.
 template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF>
 static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, const QActs& a, int64_t s, float* acc) {
   PrefetchQueue& pq = thread_prefetch_queue();
