@@ -143,3 +143,27 @@ def test_a_failed_request_leaves_nothing_to_reuse(target, monkeypatch):
     monkeypatch.undo()
     assert seq.finish_reason == "error" and not eng.running
     assert eng.generate(FIRST + [1], GREEDY).metrics.cached_prompt_tokens == 0
+
+
+def test_a_self_draft_reads_prompts_as_the_target_and_keeps_its_prefix_too(target):
+    """A draft model reads prompts through the decode path when the target does (else a model
+    drafting for itself would not reproduce the target after a long prompt), and keeps its own
+    K/V of a finished request for the next one in the slot."""
+    drafter = DraftModelDrafter(loaded(target), target.config.vocab_size, MAX_LEN, num_slots=2)
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=4, adaptive=False)
+    eng = Engine(loaded(target), spec, max_model_len=MAX_LEN, drafter=drafter, max_num_seqs=2)
+    assert eng.prefix_caching and not drafter.prompt_prefill
+    long = [(7 * i + 1) % 48 for i in range(80)]  # past the prefill path's threshold
+    first = eng.generate(long, GREEDY)
+    assert first.metrics.acceptance_rate == 1.0
+    second = eng.add_request(follow_up(first), GREEDY)
+    assert drafter.cache.length(second.slot) > len(long)  # the shared prefix stayed
+    while eng.running:
+        eng.step()
+    assert second.metrics.acceptance_rate == 1.0
+    assert second.output_ids == engine(target).generate(follow_up(first), GREEDY).output_ids
+    # a request that finishes in its prefill never starts the drafter: the kept prefix survives
+    held = list(drafter.kept[second.slot])
+    assert held
+    one = eng.generate(follow_up(first), SamplingParams(temperature=0.0, max_tokens=1))
+    assert one.slot == second.slot and drafter.kept[second.slot] == held

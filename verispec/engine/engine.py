@@ -175,6 +175,9 @@ class Engine:
         self.controller = controller or build_controller(speculative)
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
         self.prefix_caching = self._prefix_caching(prefix_caching)
+        reads_prompts_as = getattr(drafter, "reads_prompts_as", None)
+        if reads_prompts_as is not None:  # a draft model reads prompts as the target prefills them
+            reads_prompts_as(prefill=not self.prefix_caching)
         # per slot, the tokens whose K/V a free slot still holds (its cache's first positions)
         self.kept_tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]
         self.kept_at = [0] * max_num_seqs  # when each slot's tokens were kept (a release count)

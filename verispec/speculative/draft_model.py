@@ -12,6 +12,12 @@ round feeds them together in its first forward, so catching up costs no extra pa
 catch-up reads the prompt on a request's first drafting round (``start`` reads nothing), and
 whatever was committed during rounds that drafted nothing.
 
+The prompt is read as the target read it: in one prefill pass, or, when the engine prefixes-caches
+(it then prefills through the decode path, see :mod:`verispec.engine.engine`), through the
+decode path too (:meth:`DraftModelDrafter.reads_prompts_as`). Then, if the draft's rows are
+pass-invariant as well, a slot also keeps the draft's K/V of a finished request, and the next
+request in that slot reads only what its prompt does not share with them.
+
 The draft samples from q = logits_to_probs(draft logits) with the request's own sampling
 settings and generator, and returns q with the tokens, so verification stays exact.
 """
@@ -60,12 +66,37 @@ class DraftModelDrafter:
         self.target_vocab = target_vocab
         self.cache = self.model.new_cache(max_model_len, num_slots=num_slots)
         self._round_start: dict[int, tuple[int, int]] = {}  # slot -> (L0, k) of the last proposal
+        self.prompt_prefill = True  # the prompt in one prefill pass (see reads_prompts_as)
+        self.kept: list[list[int]] = [[] for _ in range(num_slots)]  # per slot, the tokens its cache still holds
+        self._owner: dict[int, Sequence] = {}  # slot -> the request start() read it for
+
+    def reads_prompts_as(self, prefill: bool) -> None:
+        """How the target reads prompts: ``prefill=True``, one prefill pass; ``False``, the decode
+        path (an engine with prefix caching). The draft reads them alike, so that a model
+        drafting for itself reproduces the target; on the decode path it also keeps a finished
+        request's K/V for the next request in the slot, where its rows are pass-invariant."""
+        self.prompt_prefill = prefill
+        if prefill or not self.model.rows_are_pass_invariant():
+            self.kept = [[] for _ in self.kept]
+
+    @property
+    def _keeps(self) -> bool:
+        return not self.prompt_prefill and self.model.rows_are_pass_invariant()
 
     def start(self, seq: Sequence) -> None:
         """Read nothing yet: the first :meth:`propose` feeds the draft everything it has not
         seen (the prompt included) in one pass. A request that never drafts (speculation off
-        for it, or k = 0 whenever it runs, as in a large batch) never pays the draft's prefill."""
-        self.cache.reset(seq.slot)
+        for it, or k = 0 whenever it runs, as in a large batch) never pays the draft's prefill.
+        Where the slot kept an earlier request's K/V, the prefix it shares with the prompt stays."""
+        slot = seq.slot
+        shared = 0
+        if self._keeps:
+            kept = self.kept[slot]
+            shared = next((i for i, (a, b) in enumerate(zip(kept, seq.prompt_ids)) if a != b),
+                          min(len(kept), len(seq.prompt_ids)))
+        self.kept[slot] = []
+        self._owner[slot] = seq
+        self.cache.truncate(slot, shared) if shared else self.cache.reset(slot)
 
     def catch_up(self, seq: Sequence) -> None:
         """Read what the draft has not seen, except the last committed token, in the passes the
@@ -84,7 +115,8 @@ class DraftModelDrafter:
         for end in bounds:
             if end > start:
                 # the prompt in one pass from the start, as the target's prefill read it
-                self._forward(slot, ids[start:end], prefill=start == 0 and end == len(seq.prompt_ids))
+                self._forward(slot, ids[start:end],
+                              prefill=self.prompt_prefill and start == 0 and end == len(seq.prompt_ids))
                 start = end
         seq.metrics.catch_up_time_s += time.perf_counter() - t0  # part of the round's drafting time
 
@@ -116,8 +148,18 @@ class DraftModelDrafter:
         self.cache.truncate(seq.slot, start + min(outcome.num_accepted, k - 1))
 
     def finish(self, seq: Sequence) -> None:
-        self._round_start.pop(seq.slot, None)
-        self.cache.reset(seq.slot)
+        slot = seq.slot
+        round_start = self._round_start.pop(slot, None)
+        if self._owner.pop(slot, None) is not seq:
+            return  # finished in its prefill: start never ran, the slot still holds what it kept
+        # the committed tokens the cache holds: past a round's start it may hold drafts the
+        # round did not keep (a round that finished the request gets no feedback)
+        valid = self.cache.length(slot) if round_start is None else min(round_start[0], self.cache.length(slot))
+        if self._keeps and seq.finish_reason != "error" and valid <= seq.num_tokens:
+            self.kept[slot] = seq.token_ids[:valid]
+        else:
+            self.kept[slot] = []
+            self.cache.reset(slot)
 
     CALIBRATION_READS = (32, 64, 128, 256)  # prompt lengths timed by :meth:`calibrate`
     CALIBRATION_RESUMES = (8, 16, 32, DECODE_CHUNK)  # catch-ups on generated tokens timed by it
