@@ -80,6 +80,8 @@ def test_a_follow_up_reuses_the_kept_prefix_bit_for_bit(target):
             e.step()
     assert second.output_ids == alone.output_ids
     assert eng.metrics.cached_prompt_tokens == second.metrics.cached_prompt_tokens
+    assert eng.metrics.summary()["cached_prompt_tokens"] == second.metrics.cached_prompt_tokens
+    assert f"({second.metrics.cached_prompt_tokens} prompt tokens cached)" in eng.metrics.format()
 
 
 @pytest.mark.parametrize("kind", [None, "ngram", "draft_model"])

@@ -168,6 +168,7 @@ class SpecMetrics:
             "mean_tree_size": self.tree_nodes / self.tree_rounds if self.tree_rounds else None,
             "accepted_depth_counts": self.accepted_depth_counts,
             "prefill_time_s": self.prefill_time_s,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "draft_time_s": self.draft_time_s,
             "catch_up_time_s": self.catch_up_time_s,
             "verify_time_s": self.verify_time_s,
@@ -194,7 +195,9 @@ class SpecMetrics:
             f"acceptance rate {f(s['acceptance_rate'])}, mean acceptance length "
             f"{f(s['mean_acceptance_length'], '.2f')} (bonus included)",
             f"per-position acceptance: {pos}",
-            f"time: prefill {s['prefill_time_s']:.2f}s, draft {s['draft_time_s']:.2f}s "
+            f"time: prefill {s['prefill_time_s']:.2f}s"
+            f"{f' ({self.cached_prompt_tokens} prompt tokens cached)' if self.cached_prompt_tokens else ''}, "
+            f"draft {s['draft_time_s']:.2f}s "
             f"(catching up {s['catch_up_time_s']:.2f}s), "
             f"verify {s['verify_time_s']:.2f}s, other {s['other_time_s']:.2f}s",
             f"cost model: T_target(1) {f(s['target_step_time_s'] and s['target_step_time_s'] * 1e3, '.1f')} ms, "
