@@ -102,7 +102,7 @@ import torch
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.detokenize import IncrementalDetokenizer
 from verispec.engine.batch_k import StepCosts, choose_k
-from verispec.engine.sequence import Sequence
+from verispec.engine.sequence import Sequence, common_prefix
 from verispec.sampling import logits_to_probs, make_generator
 from verispec.speculative.base import (
     EMPTY_PROPOSAL, AuxBranch, Drafter, DrafterContext, Outcome, Proposal, build_drafter,
@@ -304,7 +304,7 @@ class Engine:
             return self.free_slots[-1]
         best, best_len = None, 0
         for slot in reversed(self.free_slots):
-            n = _common_prefix(self.kept_tokens[slot], prompt_ids)
+            n = common_prefix(self.kept_tokens[slot], prompt_ids)
             if n > best_len:
                 best, best_len = slot, n
         if best is not None:
@@ -383,9 +383,14 @@ class Engine:
         )
         t0 = time.perf_counter()
         # positions kept from an earlier request; the prompt's last token is always run, for its logits
-        kept = min(_common_prefix(self.kept_tokens[slot], prompt_ids), len(prompt_ids) - 1) if self.prefix_caching else 0
+        kept = 0
+        if self.prefix_caching:
+            kept = min(common_prefix(self.kept_tokens[slot], prompt_ids), len(prompt_ids) - 1)
         self.kept_tokens[slot] = list(prompt_ids[:kept])  # what stays valid if this prefill fails
-        self.cache.truncate(slot, kept) if kept else self.cache.reset(slot)
+        if kept:
+            self.cache.truncate(slot, kept)
+        else:
+            self.cache.reset(slot)
         seq.metrics.cached_prompt_tokens = kept
         device = self.model.device
         ids = torch.tensor([prompt_ids[kept:]], device=device)  # [1, P - kept]
@@ -660,14 +665,6 @@ class Engine:
             self.cache.reset(seq.slot)
         self.free_slots.append(seq.slot)
         self.metrics.merge(seq.metrics)
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
 
 def _as_plain(verified: list[Verified | None]) -> list[Verified | None]:
     """Mark results of a retry without drafts (their drafter's proposal was not verified)."""

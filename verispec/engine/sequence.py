@@ -16,6 +16,16 @@ from verispec.detokenize import IncrementalDetokenizer, StopChecker
 from verispec.speculative.metrics import SpecMetrics
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (prefix caching: what a slot's kept K/V
+    gives a new prompt)."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 @dataclass(eq=False)
 class Sequence:
     prompt_ids: list[int]

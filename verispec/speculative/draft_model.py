@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from verispec.config import SpeculativeConfig
-from verispec.engine.sequence import Sequence
+from verispec.engine.sequence import Sequence, common_prefix
 from verispec.models.decoder import PREFILL_MIN_TOKENS
 from verispec.sampling import logits_to_probs, sample
 from verispec.speculative.base import DrafterContext, Outcome, Proposal, register_drafter
@@ -89,14 +89,13 @@ class DraftModelDrafter:
         for it, or k = 0 whenever it runs, as in a large batch) never pays the draft's prefill.
         Where the slot kept an earlier request's K/V, the prefix it shares with the prompt stays."""
         slot = seq.slot
-        shared = 0
-        if self._keeps:
-            kept = self.kept[slot]
-            shared = next((i for i, (a, b) in enumerate(zip(kept, seq.prompt_ids)) if a != b),
-                          min(len(kept), len(seq.prompt_ids)))
+        shared = common_prefix(self.kept[slot], seq.prompt_ids) if self._keeps else 0
         self.kept[slot] = []
         self._owner[slot] = seq
-        self.cache.truncate(slot, shared) if shared else self.cache.reset(slot)
+        if shared:
+            self.cache.truncate(slot, shared)
+        else:
+            self.cache.reset(slot)
 
     def catch_up(self, seq: Sequence) -> None:
         """Read what the draft has not seen, except the last committed token, in the passes the
