@@ -270,7 +270,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-model-len", type=int, default=4096, help="prompt + output tokens per sequence")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse a finished request's K/V for the next prompt that starts with the same tokens "
-                   "(exact; default: on where that costs nothing, a GGUF model on the CPU kernels without "
+                   "(exact; default: on where that costs nothing, a model on the native CPU kernels without "
                    "dense bf16 prefill copies)")
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
     s.add_argument("--request-timeout", type=float, default=600.0,

@@ -14,6 +14,7 @@ import torch
 from verispec import kernels
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
+from verispec.models.quant import quantize_
 from verispec.speculative.draft_model import DraftModelDrafter
 from verispec.speculative.ngram import NgramDrafter
 
@@ -42,7 +43,7 @@ def draft(target):
     return tiny_model(seed=2, noise_from=target, noise=0.15, dtype=torch.float32)
 
 
-def engine(target, draft=None, kind=None, prefix_caching=None, slots=2):
+def engine(target, draft=None, kind=None, prefix_caching=True, slots=2):
     if kind is None:
         return Engine(loaded(target), None, max_model_len=MAX_LEN, max_num_seqs=slots, prefix_caching=prefix_caching)
     drafter = NgramDrafter(1, 3) if kind == "ngram" else DraftModelDrafter(
@@ -63,7 +64,7 @@ def cache_entries(eng, slot, n):
 
 def test_a_follow_up_reuses_the_kept_prefix_bit_for_bit(target):
     eng = engine(target)
-    assert eng.prefix_caching  # float32 on the kernels: on by default
+    assert eng.prefix_caching
     first = eng.generate(FIRST, GREEDY)
     prompt = follow_up(first)
     second = eng.add_request(prompt, GREEDY)
@@ -127,11 +128,20 @@ def test_a_request_takes_the_slot_with_the_longest_shared_prefix(target):
     assert g.slot == b.slot
 
 
-def test_off_where_it_would_not_be_exact_and_refused_when_asked(target):
+def test_on_by_default_only_where_exact_and_free_and_refused_where_not_exact(target):
     bf16 = tiny_model(seed=1)  # torch's bf16 attention: rows change with the pass's length
-    assert not engine(bf16).prefix_caching
+    assert not engine(bf16, prefix_caching=None).prefix_caching
     with pytest.raises(ValueError, match="prefix caching needs"):
         engine(bf16, prefix_caching=True)
+    # exact, but a dense model's prefill (one GEMM per layer) is faster than its decode path
+    assert not engine(target, prefix_caching=None).prefix_caching
+    # a native model whose prefill runs the decode kernels anyway: on by default
+    native = quantize_(tiny_model(seed=1, dtype=torch.float32), "int8", dense_prefill=False, native=True)
+    assert engine(native, prefix_caching=None).prefix_caching
+    # with dense bf16 prefill copies it is off unless asked for
+    dense_copies = quantize_(tiny_model(seed=1, dtype=torch.float32), "int8", dense_prefill=True, native=True)
+    assert not engine(dense_copies, prefix_caching=None).prefix_caching
+    assert engine(dense_copies, prefix_caching=True).prefix_caching
     off = engine(target, prefix_caching=False)
     first = off.generate(FIRST, GREEDY)
     assert off.generate(follow_up(first), GREEDY).metrics.cached_prompt_tokens == 0
@@ -153,7 +163,7 @@ def test_a_self_draft_reads_prompts_as_the_target_and_keeps_its_prefix_too(targe
     K/V of a finished request for the next one in the slot."""
     drafter = DraftModelDrafter(loaded(target), target.config.vocab_size, MAX_LEN, num_slots=2)
     spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=4, adaptive=False)
-    eng = Engine(loaded(target), spec, max_model_len=MAX_LEN, drafter=drafter, max_num_seqs=2)
+    eng = Engine(loaded(target), spec, max_model_len=MAX_LEN, drafter=drafter, max_num_seqs=2, prefix_caching=True)
     assert eng.prefix_caching and not drafter.prompt_prefill
     long = [(7 * i + 1) % 48 for i in range(80)]  # past the prefill path's threshold
     first = eng.generate(long, GREEDY)

@@ -25,8 +25,7 @@ def float32_server() -> LiveServer:
     model = tiny_model(vocab=vocab, seed=1, dtype=torch.float32)
     model.lm_head.weight.data[:3] = 0  # the special tokens (see liveserver): answers run long
     target = SimpleNamespace(model=model, tokenizer=tokenizer, name="tiny")
-    engine = Engine(target, None, max_model_len=MAX_MODEL_LEN, max_num_seqs=2)
-    assert engine.prefix_caching
+    engine = Engine(target, None, max_model_len=MAX_MODEL_LEN, max_num_seqs=2, prefix_caching=True)
     return LiveServer(build_app(engine, "tiny", api_key=API_KEY))
 
 

@@ -72,8 +72,9 @@ before them, bitwise (the native kernels' contract; :meth:`~verispec.models.deco
 rows_are_pass_invariant`). So an entry computed in an earlier request's prefill or decode step is
 the entry a fresh prefill would compute, and a request's output does not depend on what ran
 before it. ``prefix_caching=None`` (the default) turns it on where that holds and costs nothing:
-a native model on the CPU that keeps no dense prefill copies, whose long-prompt prefill runs
-the same kernels anyway (1.5B, 700 tokens on the AVX2 EPYC: 8.3-8.6 s through the decode path,
+a native model on the CPU that keeps no dense prefill copies
+(:meth:`~verispec.models.decoder.Decoder.prefills_on_the_decode_kernels`), whose long-prompt
+prefill runs the same kernels anyway (1.5B, 700 tokens on the AVX2 EPYC: 8.3-8.6 s through the decode path,
 8.7-9.3 s through the prefill path). Drafters that read the target's hidden states (Medusa,
 EAGLE) need every prompt position's features after prefill, so it stays off for them.
 
@@ -286,7 +287,7 @@ class Engine:
             return False
         exact = self.model.rows_are_pass_invariant()
         if asked is None:
-            return exact and self.hidden_layers is None and not self.model.keeps_dense_prefill()
+            return exact and self.hidden_layers is None and self.model.prefills_on_the_decode_kernels()
         if not exact:
             raise ValueError(
                 "prefix caching needs a model whose rows do not depend on the pass that computes them "

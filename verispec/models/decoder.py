@@ -467,10 +467,12 @@ class Decoder(nn.Module):
         return (self.device.type == "cpu" and self.dtype == torch.float32 and self.config.head_dim % 16 == 0
                 and kernels.available())
 
-    def keeps_dense_prefill(self) -> bool:
-        """Whether native layers keep dense bf16 copies for long prompts' prefill (CPUs with native
-        bf16 arithmetic), which the decode path does not use."""
-        return any(isinstance(m, NativeLinear) and m.dense is not None for m in self.modules())
+    def prefills_on_the_decode_kernels(self) -> bool:
+        """Whether a long prompt's prefill runs the same linear kernels as the decode path: a
+        native model whose layers keep no dense bf16 copies for prefill (those are kept on CPUs
+        with native bf16 arithmetic). A dense model's prefill runs one GEMM per layer instead."""
+        natives = [m for m in self.modules() if isinstance(m, NativeLinear)]
+        return bool(natives) and all(m.dense is None for m in natives)
 
 
     def new_cache(self, max_len: int, num_slots: int = 1, block: int = 256) -> KVCache:
