@@ -17,7 +17,7 @@ from verispec.bench.presets import kernels as preset
 def test_bench_kernels_reports_its_sections(capsys):
     threads = torch.get_num_threads()
     try:
-        assert preset.main(["--model", "smollm2-135m-instruct", "--repeats", "1", "--sections", "shapes,paths,model"]) == 0
+        assert preset.main(["--model", "smollm2-135m-instruct", "--repeats", "1", "--sections", "shapes,paths,model,calls"]) == 0
     finally:
         torch.set_num_threads(threads)  # the preset sets its own
     out = capsys.readouterr().out
@@ -32,3 +32,7 @@ def test_bench_kernels_reports_its_sections(capsys):
     assert set(m["verify"]) == {str(t) for t in preset.POSITIONS[1:]}
     assert len(m["long_verify9"]) == 3 and m["long_verify9"][1] <= m["long_verify9"][0] <= m["long_verify9"][2]
     assert f"after {preset.LONG_CONTEXT} cached tokens" in out
+    calls = result["calls"]
+    assert set(calls) == {"T=1", "T=9"}
+    assert all(c["one_call_ms"] > 0 and c["python_ms"] > 0 and c["ratio"][1] <= c["ratio"][0] <= c["ratio"][2]
+               for c in calls.values())

@@ -38,7 +38,7 @@ from torch import Tensor
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("ref.cpp", "avx2.cpp", "avxvnni.cpp", "avx512.cpp", "amx.cpp", "attention.cpp", "attention_avx2.cpp",
-           "attention_avx512.cpp", "pool.cpp", "ops.cpp")
+           "attention_avx512.cpp", "pool.cpp", "layer.cpp", "ops.cpp")
 # -fopenmp: at::parallel_for is a header template that is serial unless compiled with OpenMP; it
 # then runs on torch's own OpenMP threads. -ffp-contract=off: the scalar reference's multiplies
 # and adds stay as written, so the SIMD paths can match it bit for bit.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 
 from verispec.models.kv_cache import KVCache
 from verispec import kernels
-from verispec.models.native import NativeLinear
+from verispec.models.native import NativeLinear, native_layer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -422,8 +423,18 @@ class LayerSteps:
 EAGER_STEPS = LayerSteps()
 
 
+# Decoder -> (the modules its native layers were made from, the layers or None): outside the
+# module, so that copying or pickling a model never meets the C++ objects.
+_NATIVE_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class Decoder(nn.Module):
     """Llama-family causal LM over a :class:`KVCache`."""
+
+    # Run each layer of a float32 pass on the native kernels as one native call
+    # (:func:`verispec.models.native.native_layer`; the same bits as the Python layer, which
+    # tests and benchmarks compare by setting this False on a model).
+    native_layers = True
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
@@ -514,8 +525,6 @@ class Decoder(nn.Module):
         starts = [kv_cache.lengths[s] for s in slots]
         attend_len = kv_cache.attend_len(max(starts) + t)
         mask = self._mask(starts, t, attend_len, attn_mask, positions.device)
-        # A masked pass (a draft tree) verifies drafts: its rows must compute like decode steps.
-        keys = mask if attn_mask is None else RowKeys.from_mask(mask[:, 0])
 
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
@@ -529,10 +538,20 @@ class Decoder(nn.Module):
         steps = EAGER_STEPS if fast else self.steps
         x = self.embed(token_ids)  # [B, T, hidden]
         hidden = [x] if output_hidden_states else None
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache, i, slots, keys, attend_len, fast, steps)
-            if hidden is not None and i < len(self.layers) - 1:
-                hidden.append(x)
+        natives = None if fast else self._native_layers(x)
+        if natives is not None:  # native attention reads the mask in cache order (RowKeys.attend)
+            rows = mask[:, 0]
+            for i, layer in enumerate(natives):
+                x = layer.forward(x, cos, sin, kv_cache.k[i], kv_cache.v[i], slots, starts, attend_len, rows)
+                if hidden is not None and i < len(natives) - 1:
+                    hidden.append(x)
+        else:
+            # A masked pass (a draft tree) verifies drafts: its rows must compute like decode steps.
+            keys = mask if attn_mask is None else RowKeys.from_mask(mask[:, 0])
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, kv_cache, i, slots, keys, attend_len, fast, steps)
+                if hidden is not None and i < len(self.layers) - 1:
+                    hidden.append(x)
         kv_cache.advance(slots, t)
         x = self.norm(x)
         if hidden is not None:
@@ -541,6 +560,23 @@ class Decoder(nn.Module):
             x = x[:, -num_logits:]
         logits = self.logits(x)
         return DecoderOutput(logits, hidden) if output_hidden_states else logits
+
+    def _native_layers(self, x: Tensor) -> list | None:
+        """The layers as native one-call objects for a float32 pass whose attention runs on the
+        native kernel (see :func:`native_attention`), or None unless every layer qualifies.
+        Made again when a layer's projections or norm weights are replaced."""
+        if not (self.native_layers and x.dtype == torch.float32 and x.device.type == "cpu"
+                and self.config.head_dim % 16 == 0 and kernels.available()):
+            return None
+        key = [(layer.qkv, layer.o_proj, layer.gate_up, layer.down, layer.input_norm.weight,
+                layer.post_attn_norm.weight) for layer in self.layers]
+        made = _NATIVE_LAYERS.get(self)
+        if made is None or any(a is not b for old, new in zip(made[0], key) for a, b in zip(old, new)):
+            layers = [native_layer(layer.qkv, layer.o_proj, layer.gate_up, layer.down, layer.input_norm,
+                                   layer.post_attn_norm, layer.num_heads, layer.num_kv_heads, layer.head_dim**-0.5)
+                      for layer in self.layers]
+            made = _NATIVE_LAYERS[self] = (key, None if any(m is None for m in layers) else layers)
+        return made[1]
 
     def logits(self, x: Tensor) -> Tensor:
         """The LM head on final (normed) hidden states ``[..., hidden]``: float32 ``[..., vocab]``.

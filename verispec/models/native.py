@@ -40,7 +40,7 @@ from verispec import kernels
 from verispec.kernels import KernelError, PackedWeight
 
 __all__ = ["NativeLinear", "use_gguf_weights_", "is_native", "float_activations_", "RepackCache",
-           "NATIVE_FORMATS", "native_unfit", "quantize_native_"]
+           "NATIVE_FORMATS", "native_unfit", "quantize_native_", "native_layer"]
 
 # --quantization int8 / int4 of a dense checkpoint on the kernels: GGUF's Q8_0 (one fp16 scale
 # per 32 weights) and Q4_1 (a scale and a minimum per 32), quantized by gguf's own reference code.
@@ -196,6 +196,22 @@ def float_activations_(model: nn.Module) -> None:
     model.float()
     for m, d in zip(natives, dense):
         m.dense = d
+
+
+def native_layer(qkv: nn.Module, o_proj: nn.Module, gate_up: nn.Module, down: nn.Module, input_norm: nn.Module,
+                 post_norm: nn.Module, heads: int, kv_heads: int, scale: float):
+    """A decoder layer whose four projections are :class:`NativeLinear` and whose norms are float32
+    RMSNorms, as one native object (``csrc/layer.cpp``) that runs its decode, verify and tree
+    passes in one call, with the kernel calls of the Python layer and the same bits; None if the
+    layer does not qualify."""
+    projections = (qkv, o_proj, gate_up, down)
+    if not all(isinstance(m, NativeLinear) for m in projections):
+        return None
+    if any(n.weight.dtype != torch.float32 for n in (input_norm, post_norm)):
+        return None
+    parts = [(*m._call[1:], m.bias) for m in projections]
+    return kernels.native().NativeLayer(*parts, input_norm.weight, float(input_norm.eps), post_norm.weight,
+                                        float(post_norm.eps), heads, kv_heads, scale)
 
 
 def is_native(model: nn.Module) -> bool:

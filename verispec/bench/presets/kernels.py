@@ -19,6 +19,9 @@ Sections:
   step (T = 1), the same for T = 9 after 512 cached tokens (a prompt and answer of Spec-Bench's
   size), batch-8 decode throughput against batch 1, and a 700-token prompt's prefill
   (each pass timed right after an untimed one of its own, see ``interleaved``).
+* ``calls``: a decode step and a 9-position pass with each decoder layer in one native call
+  (the default, ``csrc/layer.cpp``) against the Python layer making the same kernel calls one by
+  one (``Decoder.native_layers = False``): what the Python around the kernels costs.
 * ``llama``: the same GGUF file through llama.cpp (the ``llama-cpp-python`` package, if it is
   installed; the section says so and is skipped if not), with the same threads, interleaved
   with verispec: a decode step, a 9-position pass, a 700-token prefill, and greedy generation
@@ -196,6 +199,34 @@ def bench_model(loaded, repeats: int) -> dict:
     }
 
 
+def bench_calls(loaded, repeats: int) -> dict:
+    """Passes of 1 and 9 positions with the layers in one native call each and as Python layers,
+    interleaved; both compute the same bits."""
+    model = loaded.model
+    prompt = loaded.tokenizer.apply_chat_template("Write a Python function that checks whether a string is a palindrome.")
+    n0 = len(prompt)
+    cache = model.new_cache(n0 + 16)
+    model(torch.tensor([prompt]), torch.arange(n0)[None], cache)
+
+    def pass_of(t: int, one_call: bool) -> Callable[[], object]:
+        toks, pos = torch.full((1, t), 42), torch.arange(n0, n0 + t)[None]
+
+        def run():
+            model.native_layers = one_call
+            try:
+                model(toks, pos, cache)
+            finally:
+                model.native_layers = True
+                cache.truncate(0, n0)
+        return run
+
+    configs = {f"{kind} T={t}": pass_of(t, kind == "one call") for t in (1, 9) for kind in ("one call", "python")}
+    times = interleaved(configs, repeats, warm=tuple(configs))
+    return {f"T={t}": {"one_call_ms": statistics.median(times[f"one call T={t}"]) * 1e3,
+                       "python_ms": statistics.median(times[f"python T={t}"]) * 1e3,
+                       "ratio": ratio(times, f"one call T={t}", f"python T={t}")} for t in (1, 9)}
+
+
 def bench_llama(loaded, gguf_path, threads: int, repeats: int) -> dict | None:
     """verispec against llama.cpp on the same file and threads (see the module docstring); None
     when llama-cpp-python is not installed."""
@@ -329,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a bundled model or GGUF file")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--sections", default="bandwidth,shapes,paths,model,llama", help="comma-separated subset")
+    p.add_argument("--sections", default="bandwidth,shapes,paths,model,calls,llama", help="comma-separated subset")
     args = p.parse_args(argv)
     from verispec.models.loader import load_model
     from verispec.models.native import is_native
@@ -370,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{_fmt(m['long_verify9'])}")
         print(f"batch-8 decode throughput / batch 1: {_fmt(tuple(m['batch8_throughput']))}; "
               f"prefill of 700 tokens: {m['prefill_700_s']:.2f} s")
+    if "calls" in sections:
+        c = bench_calls(loaded, args.repeats)
+        result["calls"] = c
+        print("\ndecoder layers in one native call each / the Python layers (the same kernel calls): "
+              + "; ".join(f"{t}: {r['one_call_ms']:.1f} against {r['python_ms']:.1f} ms, {_fmt(r['ratio'])}"
+                          for t, r in c.items()))
     if "llama" in sections:
         from verispec.models.registry import fetch
 

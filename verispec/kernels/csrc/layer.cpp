@@ -1,0 +1,127 @@
+// One decoder layer of a float32 model on the native kernels, as one call: what
+// DecoderLayer.forward runs for a decode step, a verify pass or a tree pass (normed q/k/v
+// projection, RoPE, the cache write, attention over the cache, the output projection and the
+// MLP with their residuals), with the same kernel calls on the same inputs in the same order, so
+// the same bits. It exists for speed: the Python around those calls (module calls, argument
+// handling, the cache's slice assignments and views) cost about as much as the attention and
+// RoPE kernels themselves, 150-350 us per layer on the 2-vCPU machines, 5-10 ms of a 1.5B decode
+// step (docs/kernels.md).
+//
+// The layer holds its weights' tensors (the packed parts, biases and norm weights) for its
+// lifetime; the decoder makes one per layer and drops it when a layer's modules change.
+#include <torch/extension.h>
+
+#include <cstring>
+#include <vector>
+
+namespace verispec {
+
+torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<torch::Tensor> packed,
+                     std::vector<int64_t> ns, c10::optional<torch::Tensor> bias, bool out_bf16, int64_t isa,
+                     bool in_glu, c10::optional<torch::Tensor> norm_w, double eps,
+                     c10::optional<torch::Tensor> residual);
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale,
+                        int64_t isa);
+std::vector<torch::Tensor> qkv_rope(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t h, int64_t hkv);
+
+namespace {
+
+// A linear layer's packed parts, as NativeLinear passes them to linear().
+struct Proj {
+  std::vector<int64_t> fmts;
+  std::vector<torch::Tensor> packed;
+  std::vector<int64_t> ns;
+  c10::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x, bool glu, const c10::optional<torch::Tensor>& norm, double eps,
+                           const c10::optional<torch::Tensor>& residual) const {
+    return linear(x, fmts, packed, ns, bias, false, -1, glu, norm, eps, residual);
+  }
+};
+
+Proj proj(py::tuple t) {
+  TORCH_CHECK(t.size() == 4, "a projection is (fmts, packed, ns, bias)");
+  return {t[0].cast<std::vector<int64_t>>(), t[1].cast<std::vector<torch::Tensor>>(), t[2].cast<std::vector<int64_t>>(),
+          t[3].cast<c10::optional<torch::Tensor>>()};
+}
+
+// new [B, Hkv, T, D] into cache [slots, Hkv, max_len, D] at slots[b], indices starts[b] .. + T
+void write_cache(torch::Tensor& cache, const torch::Tensor& fresh, const std::vector<int64_t>& slots,
+                 const std::vector<int64_t>& starts) {
+  const int64_t b = fresh.size(0), hkv = fresh.size(1), t = fresh.size(2), d = fresh.size(3);
+  const int64_t len = cache.size(2);
+  const float* src = fresh.data_ptr<float>();
+  float* dst = cache.data_ptr<float>();
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < cache.size(0) && starts[i] >= 0 && starts[i] + t <= len,
+                "slot ", slots[i], " cannot take ", t, " entries at ", starts[i]);
+    for (int64_t h = 0; h < hkv; ++h)
+      std::memcpy(dst + ((slots[i] * hkv + h) * len + starts[i]) * d, src + ((i * hkv + h) * t) * d,
+                  (size_t)(t * d) * sizeof(float));
+  }
+}
+
+// The cache entries [0, length) of the slots: a view for a run of consecutive slots, else a gather.
+torch::Tensor cached(const torch::Tensor& cache, const std::vector<int64_t>& slots, int64_t length) {
+  bool run = true;
+  for (size_t i = 1; i < slots.size(); ++i) run = run && slots[i] == slots[0] + (int64_t)i;
+  const torch::Tensor prefix = cache.narrow(2, 0, length);
+  if (run) return prefix.narrow(0, slots[0], (int64_t)slots.size());
+  return prefix.index_select(0, torch::tensor(slots, torch::kLong));
+}
+
+}  // namespace
+
+class NativeLayer {
+ public:
+  NativeLayer(py::tuple qkv, py::tuple o, py::tuple gate_up, py::tuple down, torch::Tensor input_norm,
+              double input_eps, torch::Tensor post_norm, double post_eps, int64_t heads, int64_t kv_heads,
+              double scale)
+      : qkv_(proj(qkv)), o_(proj(o)), gate_up_(proj(gate_up)), down_(proj(down)), input_norm_(input_norm),
+        post_norm_(post_norm), input_eps_(input_eps), post_eps_(post_eps), heads_(heads), kv_heads_(kv_heads),
+        scale_(scale) {
+    TORCH_CHECK(input_norm.dtype() == torch::kFloat32 && post_norm.dtype() == torch::kFloat32,
+                "the norms' weights must be float32");
+  }
+
+  // x [B, T, C] float32, cos and sin [B, 1, T, D], k_cache and v_cache this layer's
+  // [slots, Hkv, max_len, D] (written at slots[b], from starts[b]), mask [B, T, S] (True =
+  // attend, S = attend_len): the layer's output [B, T, C].
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                        torch::Tensor v_cache, std::vector<int64_t> slots, std::vector<int64_t> starts,
+                        int64_t attend_len, torch::Tensor mask) const {
+    TORCH_CHECK(x.dim() == 3 && x.dtype() == torch::kFloat32, "x must be float32 [B, T, C]");
+    const int64_t b = x.size(0), t = x.size(1), c = x.size(2);
+    TORCH_CHECK((int64_t)slots.size() == b && (int64_t)starts.size() == b, "one slot and one start per row");
+    for (const torch::Tensor* cache : {&k_cache, &v_cache})
+      TORCH_CHECK(cache->dim() == 4 && cache->dtype() == torch::kFloat32 && cache->is_contiguous() &&
+                      cache->size(1) == kv_heads_ && attend_len <= cache->size(2),
+                  "the caches must be contiguous float32 [slots, Hkv, max_len, D]");
+    const torch::Tensor rows = x.reshape({b * t, c});
+    const torch::Tensor qkv = qkv_(rows, false, input_norm_, input_eps_, c10::nullopt);
+    const std::vector<torch::Tensor> qkv_heads = qkv_rope(qkv.view({b, t, qkv.size(1)}), cos, sin, heads_, kv_heads_);
+    write_cache(k_cache, qkv_heads[1], slots, starts);
+    write_cache(v_cache, qkv_heads[2], slots, starts);
+    const torch::Tensor attn = attention(qkv_heads[0], cached(k_cache, slots, attend_len),
+                                         cached(v_cache, slots, attend_len), mask, scale_, -1);
+    const torch::Tensor h = o_(attn.transpose(1, 2).reshape({b * t, -1}), false, c10::nullopt, 0.0, rows);
+    const torch::Tensor gate_up = gate_up_(h, false, post_norm_, post_eps_, c10::nullopt);
+    return down_(gate_up, true, c10::nullopt, 0.0, h).view({b, t, c});
+  }
+
+ private:
+  Proj qkv_, o_, gate_up_, down_;
+  torch::Tensor input_norm_, post_norm_;
+  double input_eps_, post_eps_;
+  int64_t heads_, kv_heads_;
+  double scale_;
+};
+
+void bind_layer(py::module_& m) {
+  py::class_<NativeLayer>(m, "NativeLayer", "a decoder layer on the native kernels in one call (layer.cpp)")
+      .def(py::init<py::tuple, py::tuple, py::tuple, py::tuple, torch::Tensor, double, torch::Tensor, double, int64_t,
+                    int64_t, double>())
+      .def("forward", &NativeLayer::forward);
+}
+
+}  // namespace verispec
