@@ -87,6 +87,35 @@ def test_rows_are_bit_identical_for_every_row_count_thread_count_and_isa(fmt):
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @needs_kernels
+def test_extreme_weights_and_activations_give_the_scalar_bits(fmt):
+    """The integer sums' worst cases: every stored weight at its largest or smallest (all bits
+    set, or none) against activations all at +127 or -127, or alternating. The AVX2 path sums
+    products in int16 lanes that may wrap on the way (ymm_kernel.h), so these must still end on
+    the scalar reference's int32 sums."""
+    n, k = 32, 512
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3, 1::2] = -1.0
+    for fill in (0xFF, 0x00):
+        raw = random_blocks(fmt, n, k, seed=3)
+        fp16 = set()
+        for off in _FP16_FIELDS[fmt]:
+            fp16 |= set(range(off, off + 2))
+        block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]][1]
+        blocks = raw.reshape(n, -1, block_bytes)
+        for b in range(block_bytes):
+            if b not in fp16:
+                blocks[:, :, b] = fill
+        w = kernels.repack(FORMATS[fmt], blocks.reshape(n, -1), n, k)
+        alone = torch.cat([kernels.matmul(x[i : i + 1], [w], "scalar") for i in range(4)])
+        for isa in kernels.supported_isas():
+            for m in (1, 2, 3, 4):
+                assert torch.equal(kernels.matmul(x[:m], [w], isa), alone[:m]), f"{fmt} {isa} fill={fill:#x} M={m}"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@needs_kernels
 def test_matmul_approximates_the_float_product(fmt):
     """Per-row int8 activations cost well under 2% of the product's norm."""
     n, k = 64, 512

@@ -179,7 +179,20 @@ struct ActBuffers {
   std::vector<int8_t> q;
   std::vector<float> dx, dxb, in, inv;
   std::vector<int16_t> bs;
+  std::vector<int32_t> hp;
 };
+
+// QActs::hp of one block of 32 q's: its two 16s' sums at k % 4 < 2 (low int16) and k % 4 >= 2.
+static void pair_sums(const int8_t* q, int32_t* hp0, int32_t* hp1) {
+  for (int h = 0; h < 2; ++h) {
+    int32_t lo = 0, hi = 0;
+    for (int i = 16 * h; i < 16 * h + 16; i += 4) {
+      lo += q[i] + q[i + 1];
+      hi += q[i + 2] + q[i + 3];
+    }
+    *(h ? hp1 : hp0) = (int32_t)(((uint32_t)(uint16_t)hi << 16) | (uint16_t)lo);
+  }
+}
 
 constexpr int64_t kQuantChunk = 8;   // blocks of one row per unit of work
 constexpr int64_t kQuantGrain = 16;  // units below which the quantization stays on one thread
@@ -195,6 +208,7 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
   buf.dx.resize((size_t)(nb * mp));
   buf.dxb.resize((size_t)(nb * mp));
   buf.bs.resize((size_t)(k / 16 * mp));
+  buf.hp.resize((size_t)(k / 16 * mp));
   const float* xf;
   if (x.dtype() == torch::kBFloat16) {  // bf16 -> float32 is exact
     buf.in.resize((size_t)(m * kin));
@@ -233,11 +247,12 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
       quant_fn(xb, pq + (b * mp + i) * kActBlock, &buf.dx[b * mp + i], bs, &buf.dxb[b * mp + i]);
       buf.bs[2 * b * mp + i] = bs[0];
       buf.bs[(2 * b + 1) * mp + i] = bs[1];
+      pair_sums(pq + (b * mp + i) * kActBlock, &buf.hp[2 * b * mp + i], &buf.hp[(2 * b + 1) * mp + i]);
     }
   }, units >= kQuantGrain ? 0 : 1);
   if (mp > m)  // AMX's A tiles read the padding rows (their results are never used)
     for (int64_t b = 0; b < nb; ++b) std::memset(pq + (b * mp + m) * kActBlock, 0, (size_t)((mp - m) * kActBlock));
-  return QActs{pq, buf.dx.data(), buf.bs.data(), buf.dxb.data(), m, k, mp};
+  return QActs{pq, buf.dx.data(), buf.bs.data(), buf.dxb.data(), m, k, mp, buf.hp.data()};
 }
 
 // y = h @ W.T (+ bias) (+ residual) for W the packed parts stacked along the output dim:

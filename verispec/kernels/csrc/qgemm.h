@@ -101,6 +101,10 @@ struct QActs {
   const int16_t* bs;  // [K / 16][mp]: the int sums of every 16 q's
   const float* dxb;   // [K / 32][mp]: dx * (float)bsum of each block of 32 (the fp offset's factor)
   int64_t m, k, mp;
+  // [K / 16][mp]: of every 16 q's, the sum of those at k % 4 < 2 (the low int16) and of those at
+  // k % 4 >= 2 (the high int16), the two halves of a 4-byte group that AVX2's maddubs adds into
+  // its two int16 lanes (the 256-bit kernels take the offset formats' offset out of those lanes)
+  const int32_t* hp;
 
   const int8_t* qb(int64_t blk, int64_t row) const { return q + (blk * mp + row) * 32; }
   // The sum of q over sub j (of size sub) of superblock s (of size kb), row m.

@@ -103,6 +103,22 @@ constexpr int int16_chunk(int wmax, int gps) {
   return ch;
 }
 
+// OFF times the int16 pair of sums (hp) of the sub of SUB k starting at 16-block i, row m: what to
+// take from a maddubs sum of w * x so that it becomes the sum of (w - OFF) * x, lane by lane.
+// Those int16 sums are exact although the running sums of w * x may wrap: additions mod 2^16 end
+// on the true value whenever it fits in an int16, and |sum (w - OFF) x| <= CH * 2 * OFF * 127.
+// Then the sub's int32 sum is the contract's sum q * x - OFF * bsum without the separate offset.
+template <int OFF, int SUB>
+static inline int32_t centered_offset(const QActs& a, int64_t m, int64_t i) {
+  int32_t lo = 0, hi = 0;
+  for (int h = 0; h < SUB / 16; ++h) {
+    const int32_t p = a.hp[(i + h) * a.mp + m];
+    lo += (int16_t)(p & 0xffff);
+    hi += (int16_t)(p >> 16);
+  }
+  return (int32_t)(((uint32_t)(uint16_t)(OFF * hi) << 16) | (uint16_t)(OFF * lo));
+}
+
 // R rows (R <= 4) against count consecutive tile superblocks. Each group's weights are made once
 // for the R rows; the int32 sums of a sub stay in registers (2 R of them), the fp32 accumulators
 // in acc. scales: the superblock's dl and ml when the caller unpacked them (count 1), else null.
@@ -110,7 +126,10 @@ template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, i
 static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int count, const QActs& a, int64_t s0,
                        float* acc, int64_t m0, PrefetchQueue& pq, const Unpacked* scales) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4, G = KB / 4, PER = HB ? 8 / HB : 8;
-  constexpr int CH = kInt16Sums ? int16_chunk(NIB ? 15 : HB ? (16 << HB) - 1 : 128, GPS) : 1;
+  // CENTER: the offset formats' int16 sums are of w - OFF (at most OFF in magnitude), a whole sub
+  // per chunk (Q6_K, Q5_0); see centered_offset.
+  constexpr bool CENTER = kInt16Sums && OFF > 0 && int16_chunk(OFF, GPS) == GPS;
+  constexpr int CH = CENTER ? GPS : kInt16Sums ? int16_chunk(NIB ? 15 : HB ? (16 << HB) - 1 : 128, GPS) : 1;
   for (int c = 0; c < count; ++c) {
     const uint8_t* tile = tile0 + (int64_t)c * f.tile_bytes();
     const int64_t s = s0 + c;
@@ -164,6 +183,11 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
           const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
+            if constexpr (CENTER) {
+              const __m256i o = _mm256_set1_epi32(centered_offset<OFF, SUB>(a, m0 + r, s * (KB / 16) + j * (SUB / 16)));
+              t0[r] = _mm256_sub_epi16(t0[r], o);
+              t1[r] = _mm256_sub_epi16(t1[r], o);
+            }
             i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(t0[r], ones));
             i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(t1[r], ones));
           }
@@ -173,7 +197,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         float* y = acc + (m0 + r) * kTile;
-        if (OFF) {
+        if (OFF && !CENTER) {
           const __m256i o = _mm256_set1_epi32(OFF * a.bsum(m0 + r, s, KB, j, SUB));
           i0[r] = _mm256_sub_epi32(i0[r], o);
           i1[r] = _mm256_sub_epi32(i1[r], o);
