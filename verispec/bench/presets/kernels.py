@@ -268,7 +268,8 @@ def bench_llama(loaded, gguf_path, threads: int, repeats: int) -> dict | None:
     def ours_prefill():
         model(torch.tensor([long_ids]), torch.arange(700)[None], model.new_cache(768), num_logits=1, prefill=True)
 
-    engine = Engine(loaded, max_model_len=1024)
+    # no prefix caching: every timed generation reads its whole prompt, as llama.cpp's does after reset()
+    engine = Engine(loaded, max_model_len=1024, prefix_caching=False)
     greedy = SamplingParams(temperature=0.0, max_tokens=64)
     generated = {}
 

@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_variant(name, args.model)
         if not prompt_ids:
             prompt_ids = loaded.tokenizer.apply_chat_template(DEFAULT_PROMPT)
-        engine = Engine(loaded, None, max_model_len=len(prompt_ids) + args.max_tokens + 8)
+        # no prefix caching: each timed run reads its whole prompt, as llama.cpp's does after reset()
+        engine = Engine(loaded, None, max_model_len=len(prompt_ids) + args.max_tokens + 8, prefix_caching=False)
         runners[name] = lambda ids, n, engine=engine: run_ours(engine, ids, n)
         if name == "bf16-compiled":  # compile the buckets a decode touches, outside the timed runs
             t0 = time.perf_counter()
