@@ -97,6 +97,9 @@ def test_a_bad_slot_is_a_clear_error():
     cos = sin = torch.ones(1, 1, 1, model.config.head_dim)
     with pytest.raises(RuntimeError, match="cannot take"):
         layer.forward(x, cos, sin, cache.k[0], cache.v[0], [5], [0], 8, torch.ones(1, 1, 8, dtype=torch.bool))
+    wide = torch.zeros(1, model.config.num_kv_heads, 8, 2 * model.config.head_dim)
+    with pytest.raises(RuntimeError, match="the cache holds"):
+        layer.forward(x, cos, sin, wide, wide.clone(), [0], [0], 8, torch.ones(1, 1, 8, dtype=torch.bool))
 
 
 @pytest.mark.slow

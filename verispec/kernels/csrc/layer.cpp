@@ -50,6 +50,8 @@ void write_cache(torch::Tensor& cache, const torch::Tensor& fresh, const std::ve
                  const std::vector<int64_t>& starts) {
   const int64_t b = fresh.size(0), hkv = fresh.size(1), t = fresh.size(2), d = fresh.size(3);
   const int64_t len = cache.size(2);
+  TORCH_CHECK(cache.size(1) == hkv && cache.size(3) == d, "the cache holds [", cache.size(1), " heads, ", cache.size(3),
+              " dims] where the layer makes [", hkv, ", ", d, "]");
   const float* src = fresh.data_ptr<float>();
   float* dst = cache.data_ptr<float>();
   for (int64_t i = 0; i < b; ++i) {
