@@ -91,12 +91,14 @@ def test_extreme_weights_and_activations_give_the_scalar_bits(fmt):
     """The integer sums' worst cases: every stored weight at its largest or smallest (all bits
     set, or none) against activations all at +127 or -127, or alternating. The AVX2 path sums
     products in int16 lanes that may wrap on the way (ymm_kernel.h), so these must still end on
-    the scalar reference's int32 sums."""
+    the scalar reference's int32 sums. 16 rows (the four patterns four times) take the 256-bit
+    paths' other form, with the weights made once for all the row blocks."""
     n, k = 32, 512
     x = torch.ones(4, k)
     x[1] = -1.0
     x[2, ::2] = -1.0
     x[3, 1::2] = -1.0
+    x = x.repeat(4, 1)
     for fill in (0xFF, 0x00):
         raw = random_blocks(fmt, n, k, seed=3)
         fp16 = set()
@@ -108,9 +110,9 @@ def test_extreme_weights_and_activations_give_the_scalar_bits(fmt):
             if b not in fp16:
                 blocks[:, :, b] = fill
         w = kernels.repack(FORMATS[fmt], blocks.reshape(n, -1), n, k)
-        alone = torch.cat([kernels.matmul(x[i : i + 1], [w], "scalar") for i in range(4)])
+        alone = torch.cat([kernels.matmul(x[i : i + 1], [w], "scalar") for i in range(16)])
         for isa in kernels.supported_isas():
-            for m in (1, 2, 3, 4):
+            for m in (1, 2, 3, 4, 16):
                 assert torch.equal(kernels.matmul(x[:m], [w], isa), alone[:m]), f"{fmt} {isa} fill={fill:#x} M={m}"
 
 

@@ -120,11 +120,12 @@ static inline int32_t centered_offset(const QActs& a, int64_t m, int64_t i) {
 }
 
 // R rows (R <= 4) against count consecutive tile superblocks. Each group's weights are made once
-// for the R rows; the int32 sums of a sub stay in registers (2 R of them), the fp32 accumulators
-// in acc. scales: the superblock's dl and ml when the caller unpacked them (count 1), else null.
-template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, int R>
+// for the R rows (MADE: read from made, where make_weights put them for every block); the int32
+// sums of a sub stay in registers (2 R of them), the fp32 accumulators in acc. scales: the
+// superblock's dl and ml when the caller unpacked them (count 1), else null.
+template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, int R, bool MADE>
 static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int count, const QActs& a, int64_t s0,
-                       float* acc, int64_t m0, PrefetchQueue& pq, const Unpacked* scales) {
+                       float* acc, int64_t m0, PrefetchQueue& pq, const Unpacked* scales, const __m256i* made) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4, G = KB / 4, PER = HB ? 8 / HB : 8;
   // CENTER: the offset formats' int16 sums are of w - OFF (at most OFF in magnitude), a whole sub
   // per chunk (Q6_K, Q5_0); see centered_offset.
@@ -155,7 +156,10 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
         for (int gg = c0; gg < c0 + CH; ++gg) {  // GPS is a multiple of PER, so gg % PER == g % PER
           const int g = j * GPS + gg;
           __m256i w[2], sg[2];
-          switch (gg % PER) {
+          if constexpr (MADE) {
+            w[0] = _mm256_load_si256(made + 2 * (c * G + g));
+            w[1] = _mm256_load_si256(made + 2 * (c * G + g) + 1);
+          } else switch (gg % PER) {
 #define VERISPEC_GROUP(I) \
             case I: group_weights<NIB, HB, SIGNED, G, I>(tile, g, w, sg); break;
             VERISPEC_GROUP(0) VERISPEC_GROUP(1) VERISPEC_GROUP(2) VERISPEC_GROUP(3)
@@ -217,10 +221,56 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
   }
 }
 
+// The weights of count consecutive tile superblocks (count * KB / 4 <= 64 groups), as group_weights
+// makes them: group g of superblock c at made[2 (c G + g)] (columns 0-7) and the next (8-15).
+template <int KB, bool NIB, int HB, bool SIGNED>
+static inline void make_weights(const FormatInfo& f, const uint8_t* tile0, int count, __m256i* made) {
+  constexpr int G = KB / 4, PER = HB ? 8 / HB : 8;
+  for (int c = 0; c < count; ++c) {
+    const uint8_t* tile = tile0 + (int64_t)c * f.tile_bytes();
+    for (int g0 = 0; g0 < G; g0 += PER) {
+#pragma GCC unroll 8
+      for (int gi = 0; gi < PER; ++gi) {
+        __m256i* w = made + 2 * (c * G + g0 + gi);
+        __m256i sg[2];
+        switch (gi) {
+#define VERISPEC_GROUP(I) \
+          case I: group_weights<NIB, HB, SIGNED, G, I>(tile, g0 + gi, w, sg); break;
+          VERISPEC_GROUP(0) VERISPEC_GROUP(1) VERISPEC_GROUP(2) VERISPEC_GROUP(3)
+          VERISPEC_GROUP(4) VERISPEC_GROUP(5) VERISPEC_GROUP(6) VERISPEC_GROUP(7)
+#undef VERISPEC_GROUP
+        }
+      }
+    }
+  }
+}
+
 // The rows in blocks of at most 4, as even as possible (9 rows: 3 + 3 + 3), since a block's
-// cost per row falls with its size. A K-quant superblock's scales are unpacked once for all the
-// blocks (weights in cache, Zen 3: a Q4_K superblock at 9 rows 488-508 -> 474-486 ns, at 16 rows
-// 802-840 -> 750-806 ns); the 32-wide formats' are a few loads, made inside the block.
+// cost per row falls with its size. made: the weights made once for all the blocks, or null.
+template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, bool MADE>
+static void row_blocks(int fmt, const FormatInfo& f, const uint8_t* tile, int count, const QActs& a, int64_t s,
+                       float* acc, PrefetchQueue& pq, const Unpacked* scales, const __m256i* made) {
+  int64_t m = 0;
+  while (m < a.m) {
+    const int64_t left = a.m - m, blocks = (left + 3) / 4, r = (left + blocks - 1) / blocks;
+    switch (r) {
+      case 1: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 1, MADE>(fmt, f, tile, count, a, s, acc, m, pq, scales, made); break;
+      case 2: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 2, MADE>(fmt, f, tile, count, a, s, acc, m, pq, scales, made); break;
+      case 3: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 3, MADE>(fmt, f, tile, count, a, s, acc, m, pq, scales, made); break;
+      default: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 4, MADE>(fmt, f, tile, count, a, s, acc, m, pq, scales, made); break;
+    }
+    m += r;
+  }
+}
+
+// A K-quant superblock's scales are unpacked once for all the row blocks (weights in cache, Zen 3:
+// a Q4_K superblock at 9 rows 488-508 -> 474-486 ns, at 16 rows 802-840 -> 750-806 ns); the
+// 32-wide formats' are a few loads, made inside the block. With more than 12 rows (a long
+// prompt's prefill, a wide batch) the weights are also made once, into L1, for all the blocks:
+// their stores cost about what two blocks' unpacking saves, so fewer rows keep the unpacking in
+// the block (Zen 3, one thread, weights in cache, alternated in one process: 9 rows of Q4_K 11%
+// slower made once; 16 to 64 rows of Q4_K 3-11% faster, of Q6_K 7-17%, of Q5_0 6-8%). Q8_0's
+// weights take one instruction to make and keep their own path.
 template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF>
 static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, const QActs& a, int64_t s, float* acc) {
   PrefetchQueue& pq = thread_prefetch_queue();
@@ -230,17 +280,16 @@ static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, c
     unpack_scales(fmt, f, tile, &u);
     scales = &u;
   }
-  int64_t m = 0;
-  while (m < a.m) {
-    const int64_t left = a.m - m, blocks = (left + 3) / 4, r = (left + blocks - 1) / blocks;
-    switch (r) {
-      case 1: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 1>(fmt, f, tile, count, a, s, acc, m, pq, scales); break;
-      case 2: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 2>(fmt, f, tile, count, a, s, acc, m, pq, scales); break;
-      case 3: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 3>(fmt, f, tile, count, a, s, acc, m, pq, scales); break;
-      default: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 4>(fmt, f, tile, count, a, s, acc, m, pq, scales); break;
+  constexpr int kMadeGroups = 64;  // the 256-wide formats' groups, or kGroup 32-wide superblocks'
+  if constexpr (!SIGNED) {
+    if (a.m > 12 && count * (KB / 4) <= kMadeGroups) {
+      alignas(32) __m256i made[2 * kMadeGroups];
+      make_weights<KB, NIB, HB, SIGNED>(f, tile, count, made);
+      row_blocks<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, true>(fmt, f, tile, count, a, s, acc, pq, scales, made);
+      return;
     }
-    m += r;
   }
+  row_blocks<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, false>(fmt, f, tile, count, a, s, acc, pq, scales, nullptr);
 }
 
 static inline void superblock_ymm(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s,
