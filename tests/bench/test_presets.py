@@ -42,8 +42,9 @@ def test_the_report_presets_name_valid_methods():
 
 
 def test_the_report_preset_takes_other_peers(monkeypatch):
-    """``verispec bench report --peers LIST`` replaces the default other engines; the rest of the
-    options go on to ``verispec bench``."""
+    """``verispec bench report --peers LIST`` replaces the default other engines, and runs beside
+    an explicit ``--methods`` list too (which alone runs without the default ones); the rest of
+    the options go on to ``verispec bench``."""
     from verispec.bench.presets import reports
 
     seen = []
@@ -52,8 +53,13 @@ def test_the_report_preset_takes_other_peers(monkeypatch):
     assert reports.spec_bench_report(["--peers", peer, "--resume"]) == 0
     assert reports.spec_bench_report(["--peers="]) == 0
     assert reports.spec_bench_report([]) == 0
+    # chosen methods keep the peers given beside them (and run without the default ones)
+    assert reports.spec_bench_report(["--methods", "plain,suffix@k=8", "--peers", peer]) == 0
+    assert reports.spec_bench_report(["--methods=plain"]) == 0
     methods = [argv[argv.index("--methods") + 1] for argv in seen]
-    assert methods == [f"{REPORT_METHODS},{peer}", REPORT_METHODS, f"{REPORT_METHODS},{REPORT_PEERS}"]
+    assert methods == [f"{REPORT_METHODS},{peer}", REPORT_METHODS, f"{REPORT_METHODS},{REPORT_PEERS}",
+                       f"plain,suffix@k=8,{peer}", "plain"]
+    assert all(argv.count("--methods") == 1 for argv in seen)
     assert seen[0][-1] == "--resume" and "--peers" not in seen[0] and "--quantization" not in seen[0]
 
 

@@ -41,25 +41,32 @@ def _run(name: str, out: str, settings: list[str], argv: list[str], extra: str =
     return bench_cli.main([*settings, *argv], prog=f"verispec bench {name}", description=description)
 
 
-def split_peers(argv: list[str]) -> tuple[str, list[str]]:
-    """``--peers LIST`` taken out of ``argv``: the peer methods, and the rest."""
+def split_peers(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
+    """``--peers LIST`` and ``--methods LIST`` taken out of ``argv`` (None where not given), and
+    the rest."""
     parser = argparse.ArgumentParser(prog="verispec bench report", add_help=False, allow_abbrev=False)
-    parser.add_argument("--peers", default=REPORT_PEERS)
+    parser.add_argument("--peers")
+    parser.add_argument("--methods")
     known, rest = parser.parse_known_args(argv)
-    return known.peers, rest
+    return known.peers, known.methods, rest
 
 
 def spec_bench_report(argv: list[str]) -> int:
     """``make bench-report``: docs/benchmarks/spec-bench/. The target and its drafts run on the GGUF
-    files' own weights (the native kernels on a CPU)."""
-    peers, argv = split_peers(argv)
-    methods = ",".join(m for m in (REPORT_METHODS, peers) if m)
+    files' own weights (the native kernels on a CPU). ``--methods`` replaces the verispec methods;
+    the peers run beside them: ``--peers``, or without it the default peers unless ``--methods``
+    was given (a run of a few chosen methods stays that)."""
+    peers, ours, argv = split_peers(argv)
+    if peers is None:
+        peers = REPORT_PEERS if ours is None else ""
+    methods = ",".join(m for m in (REPORT_METHODS if ours is None else ours, peers) if m)
     return _run("report", "spec-bench", [
         "--model", TARGET, "--threads", "2", "--num-questions", "3",
         "--max-tokens", "128", "--out", "docs/benchmarks/spec-bench", "--no-progress",
         "--methods", methods,
-    ], argv, extra=(f"--peers LIST replaces the other engines run beside verispec (default: {REPORT_PEERS}; "
-                    "empty: none), e.g. llama-server in its speculative modes as openai:URL@LABEL methods."))
+    ], argv, extra=(f"--peers LIST replaces the other engines run beside verispec (default: {REPORT_PEERS}, "
+                    "or none with --methods; empty: none), e.g. llama-server in its speculative modes as "
+                    "openai:URL@LABEL methods; they run beside the verispec methods, --methods included."))
 
 
 def adaptive_report(argv: list[str]) -> int:
