@@ -13,9 +13,13 @@
 
 namespace verispec {
 
-// Four activation bytes in every 32-bit lane, as one load-port broadcast.
+// Four activation bytes in every 32-bit lane. The integer broadcast (vpbroadcastd), not the
+// float one (vbroadcastss) that feeds an integer dot product: on Zen 4 the float form made a
+// dpbusd chain of 4-12 rows about 20% slower (0.40 against 0.33 ns a dpbusd, one core).
 static inline __m512i bcast4(const int8_t* p) {
-  return _mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss((const float*)p)));
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
 }
 
 // The high bits of group g (HB of them, HB > 0: Q6_K 2, Q5_0 1) moved to bits 4 and up of each
