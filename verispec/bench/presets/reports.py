@@ -41,7 +41,7 @@ def _run(name: str, out: str, settings: list[str], argv: list[str], extra: str =
     return bench_cli.main([*settings, *argv], prog=f"verispec bench {name}", description=description)
 
 
-def split_peers(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
+def split_method_options(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
     """``--peers LIST`` and ``--methods LIST`` taken out of ``argv`` (None where not given), and
     the rest."""
     parser = argparse.ArgumentParser(prog="verispec bench report", add_help=False, allow_abbrev=False)
@@ -56,7 +56,7 @@ def spec_bench_report(argv: list[str]) -> int:
     files' own weights (the native kernels on a CPU). ``--methods`` replaces the verispec methods;
     the peers run beside them: ``--peers``, or without it the default peers unless ``--methods``
     was given (a run of a few chosen methods stays that)."""
-    peers, ours, argv = split_peers(argv)
+    peers, ours, argv = split_method_options(argv)
     if peers is None:
         peers = REPORT_PEERS if ours is None else ""
     methods = ",".join(m for m in (REPORT_METHODS if ours is None else ours, peers) if m)
