@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 
 import pytest
@@ -222,3 +223,57 @@ def test_native_bf16_probe_agrees_with_the_cpu_flags():
             flags = set(line.split(":", 1)[1].split())
             break
     assert cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})
+
+
+def test_dense_prefill_copies_follow_the_override_and_never_come_without_native_bf16(monkeypatch):
+    from verispec.models import decoder, native
+
+    decide = native.dense_prefill_pays.__wrapped__  # the uncached decision
+    monkeypatch.setattr(native, "measure_prefill_paths", lambda: pytest.fail("measured despite the override"))
+    monkeypatch.setenv(native.DENSE_PREFILL_ENV, "1")
+    monkeypatch.setattr(decoder, "cpu_has_native_bf16", lambda: False)
+    assert decide() is False  # a bf16 GEMM without bf16 arithmetic is never the faster prefill
+    monkeypatch.setattr(decoder, "cpu_has_native_bf16", lambda: True)
+    if not kernels.available():
+        assert decide() is False
+        return
+    assert decide() is True
+    monkeypatch.setenv(native.DENSE_PREFILL_ENV, "0")
+    assert decide() is False
+    monkeypatch.setenv(native.DENSE_PREFILL_ENV, "yes")
+    with pytest.raises(ValueError, match="VERISPEC_DENSE_PREFILL must be 0 or 1"):
+        decide()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the native kernels")
+def test_the_measured_prefill_choice_is_taken_once_and_kept(monkeypatch, tmp_path):
+    from verispec.models import decoder, native
+
+    decide = native.dense_prefill_pays.__wrapped__
+    monkeypatch.setenv("VERISPEC_HOME", str(tmp_path))
+    monkeypatch.delenv(native.DENSE_PREFILL_ENV, raising=False)
+    monkeypatch.setattr(decoder, "cpu_has_native_bf16", lambda: True)
+    native_s, dense_s = native.measure_prefill_paths(repeats=1)  # the real probe runs and times both
+    assert 0 < native_s < 10 and 0 < dense_s < 10
+    monkeypatch.setattr(native, "measure_prefill_paths", lambda: (2.0, 1.0))  # the GEMM twice as fast
+    assert decide() is True
+    kept = native._prefill_choice_path()
+    assert kept.is_relative_to(tmp_path) and json.loads(kept.read_text())["dense"] is True
+    monkeypatch.setattr(native, "measure_prefill_paths", lambda: pytest.fail("measured again"))
+    assert decide() is True  # read back, not measured
+    kept.write_text("{not json")
+    monkeypatch.setattr(native, "measure_prefill_paths", lambda: (1.2, 1.0))  # below the minimum gain
+    assert decide() is False
+    assert json.loads(kept.read_text())["dense"] is False
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the native kernels")
+@pytest.mark.parametrize("pays", [True, False])
+def test_native_layers_keep_dense_copies_where_the_measurement_says(monkeypatch, pays):
+    from verispec.models import native
+
+    monkeypatch.setattr(native, "dense_prefill_pays", lambda: pays)
+    model = quantize_(tiny_model(seed=3, dtype=torch.float32), "int8", native=True)
+    layers = [m for m in model.modules() if isinstance(m, NativeLinear) and m is not model.lm_head]
+    assert layers and all((m.dense is not None) == pays for m in layers)
+    assert model.prefills_on_the_decode_kernels() is not pays

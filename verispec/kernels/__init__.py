@@ -68,6 +68,12 @@ def _build_key() -> str:
     return h.hexdigest()[:16]
 
 
+@functools.cache
+def build_key() -> str:
+    """The key of this build's cache directory (``$VERISPEC_HOME/kernels/<key>/``)."""
+    return _build_key()
+
+
 def layout_key() -> str:
     """A hash of the packed layout's definition (``qgemm.h`` and ``ref.cpp``, where tiles are
     written): repacked weights cached on disk are valid while it stays the same."""
@@ -92,7 +98,7 @@ def native():
     from verispec.models.registry import verispec_home
     from torch.utils import cpp_extension
 
-    build = verispec_home() / "kernels" / _build_key()
+    build = verispec_home() / "kernels" / build_key()
     build.mkdir(parents=True, exist_ok=True)
     fresh = not any(build.glob("*.so"))
     if fresh:

@@ -158,10 +158,11 @@ def _rotate_half(x: Tensor) -> Tensor:
 # it) with at least this many tokens may take a faster path than decode steps: on CPUs without
 # native bf16 arithmetic it computes in float32, where a bf16 GEMM is several times slower than
 # upcasting the weight and running an fp32 GEMM (measured 5.5x at 800 rows on an AVX2 machine);
-# on CPUs with it (AVX512-BF16, AMX), packed quantized layers multiply by a dense bf16 copy of
-# their weight instead of running their packed kernel, which is built for few rows (a
-# 709-token prompt: 11.8 s through the int4 kernel on an AMX Xeon, against ~1.4 s for a bf16
-# GEMM); dense layers run one GEMM over all rows instead of row-invariant chunks
+# on CPUs with it (AVX512-BF16, AMX), packed quantized layers may multiply by a dense bf16 copy
+# of their weight instead of running their packed kernel (PyTorch's int4 kernel took 11.8 s for a
+# 709-token prompt on an AMX Xeon, against ~1.4 s for a bf16 GEMM; the native kernels keep such
+# copies only where they measure faster, see verispec.models.native.dense_prefill_pays); dense
+# layers run one GEMM over all rows instead of row-invariant chunks
 # (:func:`invariant_linear`). Only a pass the caller marks as a prefill takes it, so decode and
 # verify passes, however wide, keep the batch-invariant path; a prompt is prefilled the same way
 # by plain and speculative decoding, so exactness is unaffected.
@@ -481,8 +482,9 @@ class Decoder(nn.Module):
 
     def prefills_on_the_decode_kernels(self) -> bool:
         """Whether a long prompt's prefill runs the same linear kernels as the decode path: a
-        native model whose layers keep no dense bf16 copies for prefill (those are kept on CPUs
-        with native bf16 arithmetic). A dense model's prefill runs one GEMM per layer instead."""
+        native model whose layers keep no dense bf16 copies for prefill (those are kept where they
+        measure faster, :func:`~verispec.models.native.dense_prefill_pays`). A dense model's
+        prefill runs one GEMM per layer instead."""
         natives = [m for m in self.modules() if isinstance(m, NativeLinear)]
         return bool(natives) and all(m.dense is None for m in natives)
 
@@ -531,15 +533,15 @@ class Decoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-        fast = (
-            prefill
-            and attn_mask is None
-            and t >= PREFILL_MIN_TOKENS
-        )
-        steps = EAGER_STEPS if fast else self.steps
+        fast = prefill and attn_mask is None and t >= PREFILL_MIN_TOKENS
         x = self.embed(token_ids)  # [B, T, hidden]
         hidden = [x] if output_hidden_states else None
-        natives = None if fast else self._native_layers(x)
+        # A native model without dense prefill copies prefills through its one-call layers: the
+        # same kernels as the layer-by-layer path, without torch's elementwise ops between them
+        # (700 tokens of the 1.5B model on a Zen 4 EPYC: 5.1-5.3 s against 5.7 s).
+        natives = self._native_layers(x) if not fast or self.prefills_on_the_decode_kernels() else None
+        fast = fast and natives is None
+        steps = EAGER_STEPS if fast else self.steps
         if natives is not None:  # native attention reads the mask in cache order (RowKeys.attend)
             rows = mask[:, 0]
             for i, layer in enumerate(natives):

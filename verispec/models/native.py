@@ -17,16 +17,25 @@ load. A cache that cannot be written only costs the repacking.
 Exactness. Each output row of a native layer is bit-identical whatever the number of rows and
 threads (the kernels' contract), so decode, verify and tree passes agree bit for bit, as
 speculative decoding needs. Prompt prefill (``PREFILL_MIN_TOKENS`` rows or more) on a CPU with
-native bf16 arithmetic multiplies by a dense bf16 copy instead (``dense``, the converted model's
-weight: the file's values rounded to bf16), because a bf16 GEMM with AMX or AVX512-BF16 is
-faster over hundreds of rows; plain and speculative decoding prefill alike, so outputs agree.
+native bf16 arithmetic may multiply by a dense bf16 copy instead (``dense``, the converted
+model's weight: the file's values rounded to bf16); plain and speculative decoding prefill
+alike, so outputs agree.
+
+Whether to keep those copies is measured, once per machine (:func:`dense_prefill_pays`). They
+cost a second copy of every layer's weights and prefix caching (the engine reuses cached K/V
+only where every prompt is prefilled through the decode kernels), so they are kept only where a
+bf16 GEMM prefills clearly faster than the kernels: with AMX a 700-token prefill took 2.24 s
+through them, while on a Zen 4 EPYC with AVX512-BF16 but no AMX the two ran alike (6.10 against
+6.16 s).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import platform
 import shutil
 import tempfile
 import warnings
@@ -40,7 +49,7 @@ from verispec import kernels
 from verispec.kernels import KernelError, PackedWeight
 
 __all__ = ["NativeLinear", "use_gguf_weights_", "is_native", "float_activations_", "RepackCache",
-           "NATIVE_FORMATS", "native_unfit", "quantize_native_", "native_layer"]
+           "NATIVE_FORMATS", "native_unfit", "quantize_native_", "native_layer", "dense_prefill_pays"]
 
 # --quantization int8 / int4 of a dense checkpoint on the kernels: GGUF's Q8_0 (one fp16 scale
 # per 32 weights) and Q4_1 (a scale and a minimum per 32), quantized by gguf's own reference code.
@@ -214,6 +223,101 @@ def native_layer(qkv: nn.Module, o_proj: nn.Module, gate_up: nn.Module, down: nn
                                         float(post_norm.eps), heads, kv_heads, scale)
 
 
+# A dense bf16 prefill copy is kept only where a prefill-shaped product through it runs at least
+# this many times as fast as through the kernels: it costs prefix caching and memory.
+DENSE_PREFILL_MIN_GAIN = 1.25
+DENSE_PREFILL_ENV = "VERISPEC_DENSE_PREFILL"
+
+
+@functools.cache
+def dense_prefill_pays() -> bool:
+    """Whether native layers keep dense bf16 copies of their weights for prompt prefill.
+
+    Never on a CPU without native bf16 arithmetic (its bf16 GEMM is slower than the kernels).
+    Elsewhere ``$VERISPEC_DENSE_PREFILL`` (``1`` or ``0``) decides if set; otherwise the answer
+    is measured once per CPU, kernel build and torch version and kept in
+    ``$VERISPEC_HOME/kernels/<build>/prefill-<cpu>.json``: a Q4_K product of 256 rows through
+    the kernels against the same product through torch's bf16 GEMM, alternated, the best of
+    each (about a second). The copies are kept when the GEMM is at least
+    ``DENSE_PREFILL_MIN_GAIN`` times as fast."""
+    from verispec.models.decoder import cpu_has_native_bf16
+
+    if not cpu_has_native_bf16() or not kernels.available():
+        return False
+    env = os.environ.get(DENSE_PREFILL_ENV, "").strip()
+    if env:
+        if env not in ("0", "1"):
+            raise ValueError(f"{DENSE_PREFILL_ENV} must be 0 or 1, got {env!r}")
+        return env == "1"
+    path = _prefill_choice_path()
+    try:
+        return bool(json.loads(path.read_text())["dense"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    native_s, dense_s = measure_prefill_paths()
+    choice = {"dense": native_s >= DENSE_PREFILL_MIN_GAIN * dense_s, "native_s": native_s, "dense_s": dense_s,
+              "rows": _PREFILL_PROBE[0], "threads": torch.get_num_threads()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(choice))
+        os.replace(tmp, path)
+    except OSError as exc:
+        warnings.warn(f"could not keep the prefill measurement in {path} ({exc}); it is taken again "
+                      "by the next process", stacklevel=2)
+    return choice["dense"]
+
+
+def _prefill_choice_path() -> Path:
+    from verispec.models.registry import verispec_home
+
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                cpu += line
+            if line.startswith("flags"):
+                break
+    except OSError:
+        cpu = platform.processor()
+    key = hashlib.sha256(f"{cpu}|{torch.__version__}".encode()).hexdigest()[:16]
+    return verispec_home() / "kernels" / kernels.build_key() / f"prefill-{key}.json"
+
+
+_PREFILL_PROBE = (256, 4096, 1536)  # rows, output and input features (about a 1.5B model's q/k/v + o)
+
+
+def measure_prefill_paths(repeats: int = 3) -> tuple[float, float]:
+    """Seconds for one prefill-shaped product (``_PREFILL_PROBE``, a random Q4_K weight, float32
+    activations as the loader's default) through the kernels and through a dense bf16 copy with
+    ``F.linear``, as :meth:`NativeLinear.dense_forward` runs it: the best of ``repeats``
+    alternated timings each, after one warm-up of each."""
+    import time
+
+    m, n, k = _PREFILL_PROBE
+    gen = np.random.default_rng(0)
+    blocks = gen.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+    blocks[:, :, 0:4] = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)  # d and dmin: finite
+    weight = kernels.repack(kernels.FORMATS["Q4_K"], blocks.reshape(n, -1), n, k)
+    dense = kernels.dequantize(weight).to(torch.bfloat16)
+    x = torch.from_numpy(gen.standard_normal((m, k), dtype=np.float32))
+
+    def through_kernels() -> None:
+        kernels.matmul(x, [weight])
+
+    def through_dense() -> None:
+        nn.functional.linear(x.to(torch.bfloat16), dense).to(torch.float32)
+
+    best = [float("inf"), float("inf")]
+    for rep in range(repeats + 1):
+        for i, f in enumerate((through_kernels, through_dense)):
+            t = time.perf_counter()
+            f()
+            if rep:
+                best[i] = min(best[i], time.perf_counter() - t)
+    return best[0], best[1]
+
+
 def is_native(model: nn.Module) -> bool:
     return any(isinstance(m, NativeLinear) for m in model.modules())
 
@@ -223,10 +327,9 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
     """Replace ``model``'s linear layers by native layers on the GGUF's own blocks; returns how
     many layers stayed dense. ``model`` is the :class:`~verispec.models.decoder.Decoder` loaded
     from the same file. ``keep_dense``: keep the dense bf16 weights for prompt prefill (default:
-    where the CPU has native bf16 arithmetic). ``cache``: read and write the repacked weights in
+    where that measures faster, :func:`dense_prefill_pays`). ``cache``: read and write the repacked weights in
     the default cache (True), in a directory (a path), or not at all (False). Raises
     :class:`KernelError` if the kernels are unavailable."""
-    from verispec.models.decoder import cpu_has_native_bf16
     from verispec.models.gguf_convert import _unpermute_rotary, read_gguf_header
     from verispec.models.quant import _as_linear
 
@@ -234,7 +337,7 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
         raise KernelError("the native CPU kernels are not available on this machine (see the warning above)")
     if model.device.type != "cpu":
         raise KernelError(f"the native kernels run on the CPU, not on {model.device.type}")
-    keep = cpu_has_native_bf16() if keep_dense is None else keep_dense
+    keep = dense_prefill_pays() if keep_dense is None else keep_dense
     store = None if cache is False else RepackCache(gguf_path, None if cache is True else Path(cache))
     header = read_gguf_header(gguf_path)
     infos = {t.name: t for t in header.tensors}

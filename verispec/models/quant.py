@@ -170,7 +170,8 @@ def quantize_(model: nn.Module, scheme: str, group_size: int = DEFAULT_INT4_GROU
     ``model`` is a :class:`~verispec.models.decoder.Decoder`. ``scheme`` is ``"none"`` (a no-op),
     ``"int8"`` or ``"int4"``. Every shape is checked before any layer is replaced, so a failure
     leaves the model as it was. ``dense_prefill``: keep dense bf16 copies of the decoder layers'
-    weights for prompt prefill; by default where the CPU has native bf16 arithmetic.
+    weights for prompt prefill; by default where the CPU has native bf16 arithmetic (on the
+    native kernels: where that measures faster, :func:`~verispec.models.native.dense_prefill_pays`).
     ``native``: run on the native kernels (True: or fail saying why), on PyTorch's (False), or
     on the native ones where they can (None).
     """
@@ -182,11 +183,6 @@ def quantize_(model: nn.Module, scheme: str, group_size: int = DEFAULT_INT4_GROU
             f"--quantization {scheme} uses PyTorch's CPU kernels; it is not implemented on "
             f"{model.device.type} (use --quantization none there)"
         )
-    if dense_prefill is None:
-        from verispec.models.decoder import cpu_has_native_bf16
-
-        dense_prefill = cpu_has_native_bf16()
-    keep = bool(dense_prefill)
     packed = [m for layer in model.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
               if not isinstance(m, nn.Linear)]
     if packed:
@@ -199,10 +195,17 @@ def quantize_(model: nn.Module, scheme: str, group_size: int = DEFAULT_INT4_GROU
 
         why = native_unfit(model, scheme, group_size)
         if why is None:
-            quantize_native_(model, scheme, keep)
+            from verispec.models.native import dense_prefill_pays
+
+            quantize_native_(model, scheme, dense_prefill_pays() if dense_prefill is None else bool(dense_prefill))
             return model
         if native:
             raise QuantizationError(f"--quantization {scheme} cannot run on the native kernels: {why}")
+    if dense_prefill is None:
+        from verispec.models.decoder import cpu_has_native_bf16
+
+        dense_prefill = cpu_has_native_bf16()
+    keep = bool(dense_prefill)
     make = (lambda lin: Int8Linear(lin, keep)) if scheme == "int8" else (lambda lin: Int4Linear(lin, group_size, keep))
     if scheme == "int4":
         for layer in model.layers:
