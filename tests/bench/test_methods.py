@@ -219,8 +219,11 @@ def test_openai_runner_times_a_live_server_and_gets_its_greedy_tokens():
         runner = OpenAIRunner(live.url, engine.target.tokenizer)
         assert runner.model == "tiny"
         result = runner.generate(prompt, params)
+        again = runner.generate(prompt, params)  # the server's usage says how much it had cached
     assert result.output_ids == local.output_ids and result.finish_reason == local.finish_reason
     assert 0 < result.prefill_s <= result.total_s
+    assert result.cached_prompt_tokens == 0
+    assert again.cached_prompt_tokens == (len(prompt) - 1 if engine.prefix_caching else 0)
 
 
 def test_openai_runner_says_when_no_server_answers():

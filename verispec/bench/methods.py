@@ -25,8 +25,10 @@ Syntax, one method per comma-separated item::
   with every other sampler off; the model is the first one the server lists. Prefill is the
   time to the first streamed text (TTFT). The server returns text, not ids: the output ids are
   the text re-tokenized by the target's tokenizer (plus its EOS when the server stopped there),
-  which equals the generated ids wherever the text round-trips. ``OPENAI_API_KEY`` is sent as
-  the key if set.
+  which equals the generated ids wherever the text round-trips. The usage of the last chunk
+  (``stream_options.include_usage``) gives the prompt tokens the server had cached, which the
+  report checks against what the run itself sent (:func:`verispec.bench.report.stale_caches`).
+  ``OPENAI_API_KEY`` is sent as the key if set.
 
 Options continue after a comma until the next item that is not ``KEY=VALUE``; values are read
 as JSON when they parse (``4``, ``true``) and as strings otherwise. ``plain`` is always run,
@@ -245,6 +247,8 @@ class TurnResult:
     finish_reason: str | None
     metrics: SpecMetrics | None = None  # verispec methods only
     first_tokens: int = 1  # tokens that exist when prefill ends (assisted generation emits a round at once)
+    # prompt tokens whose K/V the engine or server took from its cache (None: it does not say)
+    cached_prompt_tokens: int | None = None
 
 
 class Runner(Protocol):
@@ -261,7 +265,8 @@ class EngineRunner:
         t0 = time.perf_counter()
         seq = self.engine.generate(prompt_ids, params)
         total = time.perf_counter() - t0
-        return TurnResult(list(seq.output_ids), total, seq.metrics.prefill_time_s, seq.finish_reason, seq.metrics)
+        return TurnResult(list(seq.output_ids), total, seq.metrics.prefill_time_s, seq.finish_reason, seq.metrics,
+                          cached_prompt_tokens=seq.metrics.cached_prompt_tokens)
 
 
 class _PushTimer:
@@ -381,20 +386,26 @@ class OpenAIRunner:
         pieces: list[str] = []
         first = None
         finish = None
+        cached = None
         t0 = time.perf_counter()
+        # include_usage: the last chunk carries the usage, whose prompt_tokens_details.cached_tokens
+        # (llama-server, vLLM, verispec) says how much of the prompt the server had cached
         stream = self.client.completions.create(model=self.model, prompt=prompt_ids, max_tokens=params.max_tokens,
-                                                stream=True, **sampling)
+                                                stream=True, stream_options={"include_usage": True}, **sampling)
         for chunk in stream:
             for choice in chunk.choices:
                 if choice.text:
                     first = first or time.perf_counter()
                     pieces.append(choice.text)
                 finish = choice.finish_reason or finish
+            details = getattr(getattr(chunk, "usage", None), "prompt_tokens_details", None)
+            if getattr(details, "cached_tokens", None) is not None:
+                cached = int(details.cached_tokens)
         total = time.perf_counter() - t0
         ids = self.tokenizer.encode("".join(pieces), add_special_tokens=False)
         if finish == "stop" and self.eos is not None and len(ids) < params.max_tokens:
             ids.append(int(self.eos))
-        return TurnResult(ids, total, (first or t0 + total) - t0, finish)
+        return TurnResult(ids, total, (first or t0 + total) - t0, finish, cached_prompt_tokens=cached)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -160,6 +160,29 @@ def drift(runs: list[Run]) -> dict:
             "t1_spread_max": spreads[-1] if spreads else None}
 
 
+# Prompt tokens a server may report cached beyond what this run's own requests explain before
+# its K/V counts as kept from before the run (a re-tokenized answer can shift a few tokens).
+STALE_CACHE_SLACK = 16
+
+
+def stale_caches(runs: list[Run]) -> dict[str, dict]:
+    """Per method whose engine or server reported cached prompt tokens beyond what the run's own
+    earlier requests could have left (``Run.reusable_prompt_tokens``, plus ``STALE_CACHE_SLACK``):
+    how many turns and prompt tokens. Such a server kept prompts from an earlier run (llama-server
+    keeps them in memory), so it skipped prefill work a fresh one would do and its figures are
+    not comparable; the report warns. Empty when every server's cache is explained."""
+    out: dict[str, dict] = {}
+    for r in runs:
+        cached, reusable = r.result.cached_prompt_tokens, r.reusable_prompt_tokens
+        if cached is None or reusable is None or cached <= reusable + STALE_CACHE_SLACK:
+            continue
+        s = out.setdefault(r.method, {"turns": 0, "excess_tokens": 0, "prompt_tokens": 0})
+        s["turns"] += 1
+        s["excess_tokens"] += cached - reusable
+        s["prompt_tokens"] += r.prompt_tokens
+    return out
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -288,6 +311,7 @@ def build_report(result: BenchResult, specs: list[MethodSpec], workload: Workloa
         "wall_s": result.wall_s,
         "results": results,
         "drift": drift(result.runs),
+        "stale_caches": stale_caches(result.runs),
         "goals": goals(results, specs, greedy),
         "runs": [
             {"method": r.method, "question_id": r.question_id, "category": r.category, "turn": r.turn,
@@ -297,6 +321,7 @@ def build_report(result: BenchResult, specs: list[MethodSpec], workload: Workloa
              "mean_acceptance_length": r.result.metrics.mean_acceptance_length if r.result.metrics else None,
              "first_divergence": None if d == "n/a" else d, "compared": d != "n/a",
              "output_ids": r.result.output_ids, "first_tokens": r.result.first_tokens,
+             "cached_prompt_tokens": r.result.cached_prompt_tokens, "reusable_prompt_tokens": r.reusable_prompt_tokens,
              "metrics": r.result.metrics.to_dict() if r.result.metrics else None}
             for r, d in zip(result.runs, div)
         ],
@@ -361,6 +386,13 @@ def render_markdown(report: dict) -> str:
            "all methods side by side, within one sitting)" if len(report.get("segments", [])) > 1 else "")
         + _revisions(report),
         "",
+    ]
+    for label, stale in (report.get("stale_caches") or {}).items():
+        lines += [f"**WARNING: {label} reported {stale['excess_tokens']} cached prompt tokens in {stale['turns']} "
+                  f"turn(s) (of {stale['prompt_tokens']} prompt tokens) that this run's own requests do not explain: it kept "
+                  "K/V from before the run and skipped prefill work, so its figures are not a fresh server's. "
+                  "Restart it before each run.**", ""]
+    lines += [
         "## Speedup over verispec plain (end to end tok/s ratio)",
         "",
         "| method | " + " | ".join(cats) + " |",
@@ -522,9 +554,10 @@ def resume_runs(previous: dict, current: dict) -> list[Run]:
             raise ValueError("cannot resume: the earlier report does not keep its runs' metrics "
                              "(written by an older verispec)")
         result = TurnResult(r["output_ids"], r["total_s"], r["prefill_s"], r["finish_reason"],
-                            SpecMetrics.from_dict(r["metrics"]) if r["metrics"] else None, r["first_tokens"])
+                            SpecMetrics.from_dict(r["metrics"]) if r["metrics"] else None, r["first_tokens"],
+                            r.get("cached_prompt_tokens"))
         runs.append(Run(r["method"], r["question_id"], r["category"], r["turn"], r["repeat"], r["order"],
-                        r["prompt_tokens"], result))
+                        r["prompt_tokens"], result, r.get("reusable_prompt_tokens")))
     return runs
 
 

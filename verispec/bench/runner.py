@@ -32,6 +32,7 @@ from tqdm import tqdm
 from verispec.bench.methods import Runner, TurnResult
 from verispec.bench.workloads import PromptFormat, Question, turn_messages
 from verispec.config import SamplingParams
+from verispec.engine.sequence import common_prefix
 
 WARMUP_PROMPT = "Say hello."
 WARMUP_TOKENS = 8
@@ -68,6 +69,10 @@ class Run:
     order: int  # position of the method within its (question, repeat) block
     prompt_tokens: int
     result: TurnResult
+    # the most prompt tokens this method's engine or server could have cached from the run's own
+    # earlier requests (the longest prefix shared with one of them, its answer included); a
+    # server that reports more cached kept K/V from before the run (see report.stale_caches)
+    reusable_prompt_tokens: int | None = None
 
 
 @dataclass
@@ -93,6 +98,7 @@ def run_bench(
     """
     labels = list(runners)
     runs: list[Run] = list(done)
+    sent: dict[str, list[list[int]]] = {label: [] for label in labels}  # each method's requests: prompt + answer
     finished = {(r.question_id, r.repeat) for r in done}
     t0 = time.perf_counter()
     total = len(labels) * sum(len(q.turns) for q in questions for k in range(settings.repeats)
@@ -106,7 +112,7 @@ def run_bench(
                                     max_tokens=min(WARMUP_TOKENS, settings.max_tokens))
             for label in labels:
                 bar.set_postfix_str(f"warm-up {label}")
-                runners[label].generate(warm, params)
+                sent[label].append(warm + runners[label].generate(warm, params).output_ids)
         for qi, q in enumerate(questions):
             for repeat in range(settings.repeats):
                 if (q.question_id, repeat) in finished:
@@ -115,7 +121,8 @@ def run_bench(
                 shift = (qi * settings.repeats + repeat) % len(labels)
                 for order, label in enumerate(labels[shift:] + labels[:shift]):
                     bar.set_postfix_str(f"{q.category} q{q.question_id} {label}")
-                    block += _run_question(runners[label], label, q, qi, repeat, order, fmt, settings, bar)
+                    block += _run_question(runners[label], label, q, qi, repeat, order, fmt, settings, bar,
+                                           sent[label])
                 runs += block  # only whole blocks: every method on the same questions
                 if on_block is not None:
                     on_block(BenchResult(list(runs), True, time.perf_counter() - t0))
@@ -128,14 +135,16 @@ def run_bench(
 
 
 def _run_question(runner: Runner, label: str, q: Question, qi: int, repeat: int, order: int,
-                  fmt: PromptFormat, settings: Settings, bar: tqdm) -> list[Run]:
+                  fmt: PromptFormat, settings: Settings, bar: tqdm, sent: list[list[int]]) -> list[Run]:
     answers: list[str] = []
     out: list[Run] = []
     for turn in range(len(q.turns)):
         prompt_ids = fmt.encode(turn_messages(q, answers))
         seed = settings.seed + (qi * 100 + turn) * 100 + repeat
+        reusable = max((common_prefix(prompt_ids, s) for s in sent), default=0)
         result = runner.generate(prompt_ids, settings.params(seed))
-        out.append(Run(label, q.question_id, q.category, turn, repeat, order, len(prompt_ids), result))
+        sent.append(prompt_ids + result.output_ids)
+        out.append(Run(label, q.question_id, q.category, turn, repeat, order, len(prompt_ids), result, reusable))
         answers.append(fmt.decode(result.output_ids))
         bar.update(1)
     return out
