@@ -32,6 +32,9 @@ def test_bench_kernels_reports_its_sections(capsys):
     assert set(m["verify"]) == {str(t) for t in preset.POSITIONS[1:]}
     assert len(m["long_verify9"]) == 3 and m["long_verify9"][1] <= m["long_verify9"][0] <= m["long_verify9"][2]
     assert f"after {preset.LONG_CONTEXT} cached tokens" in out
+    path = result["prefill_path"]
+    assert isinstance(path["dense_copies"], bool) and f"prefill path: {path['text']}" in out
+    assert "kernels_s" not in path or (path["kernels_s"] > 0 and path["bf16_gemm_s"] > 0)
     calls = result["calls"]
     assert set(calls) == {"T=1", "T=9"}
     assert all(c["one_call_ms"] > 0 and c["python_ms"] > 0 and c["ratio"][1] <= c["ratio"][0] <= c["ratio"][2]

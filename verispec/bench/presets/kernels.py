@@ -312,6 +312,24 @@ def bench_llama(loaded, gguf_path, threads: int, repeats: int) -> dict | None:
     return out
 
 
+def prefill_path() -> dict:
+    """Which path long prompts take here and why: the kernels, or dense bf16 copies where a
+    prefill-shaped product measures faster through torch's bf16 GEMM (measured again here)."""
+    from verispec.models.decoder import cpu_has_native_bf16
+    from verispec.models.native import dense_prefill_pays, measure_prefill_paths
+
+    dense = dense_prefill_pays()
+    out: dict = {"dense_copies": dense}
+    if not cpu_has_native_bf16():
+        out["text"] = "the kernels (no native bf16 arithmetic here)"
+        return out
+    out["kernels_s"], out["bf16_gemm_s"] = measure_prefill_paths()
+    out["text"] = (f"{'dense bf16 copies' if dense else 'the kernels'} (a 256-row probe now: "
+                   f"{out['kernels_s'] * 1e3:.1f} ms through the kernels, {out['bf16_gemm_s'] * 1e3:.1f} ms "
+                   "through the bf16 GEMM)")
+    return out
+
+
 def omp_policy() -> str:
     """The OpenMP wait policy in effect, and what it means for the llama section."""
     policy, spin = os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
@@ -402,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{_fmt(m['long_verify9'])}")
         print(f"batch-8 decode throughput / batch 1: {_fmt(tuple(m['batch8_throughput']))}; "
               f"prefill of 700 tokens: {m['prefill_700_s']:.2f} s")
+        result["prefill_path"] = prefill_path()
+        print(f"prefill path: {result['prefill_path']['text']}")
     if "calls" in sections:
         c = bench_calls(loaded, args.repeats)
         result["calls"] = c
