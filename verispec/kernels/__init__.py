@@ -54,7 +54,9 @@ class KernelError(RuntimeError):
     """The native kernels cannot run this weight or input."""
 
 
-def _build_key() -> str:
+@functools.cache
+def build_key() -> str:
+    """The key of this build's cache directory (``$VERISPEC_HOME/kernels/<key>/``)."""
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
         h.update(name.encode())
@@ -66,12 +68,6 @@ def _build_key() -> str:
         version = "unknown"
     h.update(f"{version}|{CFLAGS}|{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}".encode())
     return h.hexdigest()[:16]
-
-
-@functools.cache
-def build_key() -> str:
-    """The key of this build's cache directory (``$VERISPEC_HOME/kernels/<key>/``)."""
-    return _build_key()
 
 
 def layout_key() -> str:
