@@ -408,7 +408,7 @@ def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
                             ("eval_every", "steps between held-out reports"),
                             ("save_every", "steps between checkpoints"), ("seed", "random seed"),
                             ("ttt_steps", "eagle: steps the training-time test unrolls"),
-                            ("draft_vocab_size", "eagle: draft vocabulary, the data's most frequent tokens"),
+                            ("draft_vocab_size", "draft vocabulary: the data's most frequent tokens"),
                             ("intermediate_size", "eagle: the head's MLP width, 0 for the target's")):
         t.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name),
                        help=f"{help_text} (default {getattr(d, name)})")

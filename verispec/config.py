@@ -240,10 +240,10 @@ class TrainSettings:
     save_every: int = 200
     seed: int = 0
     own_lm_heads: bool = False
-    # EAGLE-3 heads: unrolled steps of the training-time test, the draft vocabulary (the most
-    # frequent tokens of the data), and the MLP width (0: the target's).
-    ttt_steps: int = 3
+    # Both methods: the draft vocabulary (the most frequent tokens of the data). EAGLE-3 heads:
+    # unrolled steps of the training-time test and the MLP width (0: the target's).
     draft_vocab_size: int = 32768
+    ttt_steps: int = 3
     intermediate_size: int = 0
     # Both methods: the learning rate rises linearly over the first warmup_steps; gradients are
     # clipped to max_grad_norm (0: not clipped).

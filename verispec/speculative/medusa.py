@@ -29,6 +29,14 @@ Checkpoints use the FasterDecoding/Medusa layout: a directory with ``config.json
 ``medusa_lm_head.pt``), whose keys are ``{i}.{j}.linear.weight`` ``[H, H]`` and
 ``{i}.{j}.linear.bias`` ``[H]`` for the ResBlocks j < L of head i, and ``{i}.{L}.weight``
 ``[V, H]`` for its LM head. :func:`save_medusa` writes the same layout (safetensors).
+
+**A reduced draft vocabulary** (verispec's extension, as EAGLE-3's): heads may score only
+``draft_vocab_size`` tokens (``config.json``), with a ``d2t`` offset table in the weights (draft
+id i is target id ``i + d2t[i]``). Shared heads then read the target's LM-head rows for those
+tokens only, and own heads are ``[V_draft, H]``. A CPU pays for the LM head in every round (each
+head's logits are a product with it), and in training for every position: 151,936 rows for the
+1.5B target against, say, 16,384. Drafts are target ids; a token outside the draft vocabulary
+has q = 0, which verification handles like any other zero (such a token is never proposed).
 """
 
 from __future__ import annotations
@@ -52,20 +60,52 @@ WEIGHTS_TORCH = "medusa_lm_head.pt"
 
 
 class MedusaHeads(nn.Module):
-    """K Medusa heads: ``forward(h [n, H]) -> logits [K, n, V]``, in float32 throughout.
-    Heads without LM heads of their own take the target's as ``shared_head``."""
+    """K Medusa heads: ``forward(h [n, H]) -> logits [K, n, V_draft]``, in float32 throughout
+    (``V_draft`` = ``vocab_size`` unless the heads have a reduced draft vocabulary). Heads
+    without LM heads of their own take the target's (its rows for the draft vocabulary) as
+    ``shared_head``."""
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
-                 own_lm_heads: bool = True) -> None:
+                 own_lm_heads: bool = True, draft_vocab_size: int | None = None) -> None:
         super().__init__()
         if num_heads < 1 or num_layers < 0:
             raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {num_heads}, {num_layers}")
-        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        draft_vocab_size = vocab_size if draft_vocab_size is None else draft_vocab_size
+        if not 1 <= draft_vocab_size <= vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..{vocab_size}, got {draft_vocab_size}")
+        self.hidden_size, self.vocab_size, self.draft_vocab_size = hidden_size, vocab_size, draft_vocab_size
         self.num_heads, self.num_layers = num_heads, num_layers
         self.blocks = nn.ModuleList(nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers))
                                     for _ in range(num_heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads)) \
-            if own_lm_heads else None
+        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, draft_vocab_size, bias=False)
+                                      for _ in range(num_heads)) if own_lm_heads else None
+        # draft id i is target id i + d2t[i] (EAGLE-3's convention); all zeros for the full vocabulary
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+
+    @property
+    def reduced(self) -> bool:
+        """Whether the heads score a reduced draft vocabulary (not every target token, in order)."""
+        return self.draft_vocab_size != self.vocab_size or bool(self.d2t.any())
+
+    def target_ids(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_logits(self, logits: Tensor) -> Tensor:
+        """``[..., V_draft]`` -> ``[..., V]``, -inf outside the draft vocabulary."""
+        if not self.reduced:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        out[..., self.target_ids(torch.arange(logits.shape[-1], device=logits.device))] = logits
+        return out
+
+    def draft_labels(self, target_ids: Tensor) -> Tensor:
+        """Target ids -> draft ids, -100 (cross-entropy's ignore index) outside the draft vocabulary."""
+        if not self.reduced:
+            return target_ids
+        to_draft = torch.full((self.vocab_size,), -100, dtype=torch.long, device=target_ids.device)
+        to_draft[self.target_ids(torch.arange(self.draft_vocab_size, device=target_ids.device))] = torch.arange(
+            self.draft_vocab_size, device=target_ids.device)
+        return to_draft[target_ids]
 
     def features(self, h: Tensor, num_heads: int | None = None) -> Tensor:
         """The ResBlocks of the first ``num_heads`` heads (default all K): ``[n, H] -> [K, n, H]``."""
@@ -90,7 +130,7 @@ class MedusaHeads(nn.Module):
 
     def init_from_target(self, lm_weight: Tensor) -> None:
         """Medusa's initialisation: ResBlocks are the identity (zero weights), LM heads copy
-        the target's."""
+        the target's (``lm_weight`` ``[V_draft, H]``: its rows for the draft vocabulary)."""
         for blocks in self.blocks:
             for block in blocks:
                 nn.init.zeros_(block.weight)
@@ -108,6 +148,8 @@ def _layout_state(heads: MedusaHeads) -> dict[str, Tensor]:
             state[f"{i}.{j}.linear.bias"] = block.bias.data
         if heads.lm_heads is not None:
             state[f"{i}.{heads.num_layers}.weight"] = heads.lm_heads[i].weight.data
+    if heads.reduced:
+        state["d2t"] = heads.d2t
     return state
 
 
@@ -120,6 +162,8 @@ def save_medusa(heads: MedusaHeads, directory: str | Path, base_model: str = "")
     config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
               "hidden_size": heads.hidden_size, "vocab_size": heads.vocab_size,
               "base_model_name_or_path": base_model}
+    if heads.reduced:
+        config["draft_vocab_size"] = heads.draft_vocab_size
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in _layout_state(heads).items()}, str(directory / WEIGHTS_SAFETENSORS))
     return directory
@@ -135,8 +179,13 @@ def load_medusa(directory: str | Path, hidden_size: int, vocab_size: int) -> Med
     config = json.loads(config_path.read_text())
     try:
         num_heads, num_layers = int(config["medusa_num_heads"]), int(config.get("medusa_num_layers", 1))
+        draft_vocab_size = int(config.get("draft_vocab_size", vocab_size))
     except (KeyError, TypeError, ValueError):
-        raise ValueError(f"{config_path} needs an integer medusa_num_heads (and medusa_num_layers)") from None
+        raise ValueError(f"{config_path} needs an integer medusa_num_heads (and medusa_num_layers, "
+                         "draft_vocab_size)") from None
+    if not 1 <= draft_vocab_size <= vocab_size:
+        raise ValueError(f"{config_path}: draft_vocab_size {draft_vocab_size} is outside the target's "
+                         f"vocabulary of {vocab_size}")
     if (directory / WEIGHTS_SAFETENSORS).is_file():
         from safetensors.torch import load_file
 
@@ -146,8 +195,13 @@ def load_medusa(directory: str | Path, hidden_size: int, vocab_size: int) -> Med
     else:
         raise ValueError(f"{directory} has neither {WEIGHTS_SAFETENSORS} nor {WEIGHTS_TORCH}")
     own = all(f"{i}.{num_layers}.weight" in state for i in range(num_heads))
-    heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers, own_lm_heads=own)
+    heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers, own_lm_heads=own,
+                        draft_vocab_size=draft_vocab_size)
+    if draft_vocab_size < vocab_size and "d2t" not in state:
+        raise ValueError(f"{directory}: draft_vocab_size {draft_vocab_size} needs a d2t table in the weights")
     expected = _layout_state(heads)
+    if "d2t" in state:
+        expected["d2t"] = heads.d2t
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -157,7 +211,10 @@ def load_medusa(directory: str | Path, hidden_size: int, vocab_size: int) -> Med
         if tuple(state[name].shape) != tuple(tensor.shape):
             raise ValueError(f"{directory}: {name} has shape {list(state[name].shape)}, the target needs "
                              f"{list(tensor.shape)} (hidden {hidden_size}, vocabulary {vocab_size})")
-        tensor.copy_(state[name].float())
+        tensor.copy_(state[name] if name == "d2t" else state[name].float())
+    ids = heads.target_ids(torch.arange(draft_vocab_size))
+    if bool((ids < 0).any()) or bool((ids >= vocab_size).any()) or len(set(ids.tolist())) != len(ids):
+        raise ValueError(f"{directory}: d2t does not map the draft vocabulary into distinct target ids")
     return heads
 
 
@@ -189,7 +246,8 @@ class MedusaDrafter:
     @torch.inference_mode()
     def propose(self, seq: Sequence, k: int) -> Proposal:
         depth = min(k, self.heads.num_heads)
-        logits = self.heads(self._hidden[seq.slot][None], self.target_head, depth)[:, 0]  # [depth, V]
+        logits = self.heads(self._hidden[seq.slot][None], self.target_head, depth)[:, 0]  # [depth, V_draft]
+        logits = self.heads.target_logits(logits)  # [depth, V]
         if self.static is not None:
             return self._static(seq, logits, depth)
         if self.topk > 1:
@@ -250,6 +308,46 @@ class MedusaDrafter:
         return Proposal(tokens, None, tuple(parents), "topk", values=tuple(values))
 
 
+def quantize_heads_(heads: MedusaHeads, shared_rows: Tensor | None = None) -> Callable[[Tensor], Tensor] | None:
+    """Run the heads' linear layers (ResBlocks, own LM heads) on the native kernels as Q8_0
+    (gguf's reference quantizer), where the kernels take their shape. With ``shared_rows``
+    (``[V_draft, H]``, the target's LM-head rows of a reduced draft vocabulary) also returns
+    that product on the kernels, else None. As for an EAGLE-3 head: a drafter's weights only
+    change what it proposes, never what verification accepts; float32 ResBlocks alone are
+    9.4 MB per head for the 1.5B target, read in every round."""
+    from gguf import GGMLQuantizationType, quants
+
+    from verispec import kernels
+    from verispec.models.native import NativeLinear
+
+    if not kernels.available():
+        return None
+    fmt = kernels.FORMATS["Q8_0"]
+
+    def native(weight: Tensor, bias: Tensor | None) -> NativeLinear | None:
+        n, k = weight.shape
+        try:
+            kernels.check_format(fmt, n, k)
+        except kernels.KernelError:
+            return None
+        raw = quants.quantize(weight.detach().float().cpu().numpy(), GGMLQuantizationType(fmt))
+        return NativeLinear([kernels.repack(fmt, raw, n, k)], None if bias is None else bias.detach().float(),
+                            None, float_output=True)
+
+    for blocks in heads.blocks:
+        for j, block in enumerate(blocks):
+            if block.weight.device.type == "cpu" and (lin := native(block.weight, block.bias)) is not None:
+                blocks[j] = lin
+    if heads.lm_heads is not None:
+        for i, head in enumerate(heads.lm_heads):
+            if head.weight.device.type == "cpu" and (lin := native(head.weight, None)) is not None:
+                heads.lm_heads[i] = lin
+    if shared_rows is None or shared_rows.device.type != "cpu":
+        return None
+    lin = native(shared_rows, None)
+    return None if lin is None else (lambda x: lin(x.float()))
+
+
 @register_drafter("medusa")
 def make_medusa_drafter(config, context: DrafterContext) -> MedusaDrafter:
     if not config.model:
@@ -262,16 +360,29 @@ def make_medusa_drafter(config, context: DrafterContext) -> MedusaDrafter:
     if config.tree_children != "topk":
         raise ValueError("medusa trees take top-k children (tree_children 'topk'): its heads do not "
                          "condition on the path, so sampled children would add nothing")
+    if config.quantization not in ("auto", "int8", "none"):
+        raise ValueError(f"Medusa heads run in float32 (quantization none) or Q8_0 (auto, int8), "
+                         f"not {config.quantization!r}")
     tree = None
     if config.speculative_token_tree is not None:
         tree = Tree.from_choices(config.speculative_token_tree)
     budget = config.tree_budget if config.is_tree else None
 
+    shared_rows = None  # the target's LM-head rows for a reduced draft vocabulary, [V_draft, H]
+    if heads.lm_heads is None and heads.reduced:
+        from verispec.speculative.train_drafter import lm_head_weight
+
+        shared_rows = lm_head_weight(decoder).detach()[heads.target_ids(torch.arange(heads.draft_vocab_size))].float()
+
     def target_head(x: Tensor) -> Tensor:
+        if shared_rows is not None:
+            return x.float() @ shared_rows.T
         return decoder.logits(x.to(decoder.dtype))
 
-    return MedusaDrafter(heads, tree=tree, topk=config.speculative_eagle_topk, budget=budget,
-                         target_head=target_head)
+    head = target_head
+    if config.quantization != "none" and decoder.device.type == "cpu":
+        head = quantize_heads_(heads, shared_rows) or target_head
+    return MedusaDrafter(heads, tree=tree, topk=config.speculative_eagle_topk, budget=budget, target_head=head)
 
 
 # ---- training (Medusa-1: the target frozen, heads only) --------------------------------------
@@ -289,14 +400,19 @@ def medusa_loss(heads: MedusaHeads, hidden: Tensor, rows: Tensor, decay: float =
                 shared_head: Callable[[Tensor], Tensor] | None = None, first_base: int = 0) -> Tensor:
     """Medusa's loss: head i at position t is scored on token t + i + 2, weighted ``decay**i``.
     ``hidden`` ``[N, T, H]`` are the target's features of ``rows`` ``[N, T]``; positions before
-    ``first_base`` are not scored."""
+    ``first_base`` are not scored, nor are tokens outside a reduced draft vocabulary (the heads
+    cannot propose them)."""
     n, t, h = hidden.shape
-    logits = heads(hidden.reshape(n * t, h), shared_head).reshape(heads.num_heads, n, t, -1)  # [K, N, T, V]
+    logits = heads(hidden.reshape(n * t, h), shared_head).reshape(heads.num_heads, n, t, -1)  # [K, N, T, V_draft]
+    labels = heads.draft_labels(rows)  # [N, T]
     total = hidden.new_zeros(())
     for i in range(heads.num_heads):
         shift = i + 2
         if first_base + shift >= t:
             break
+        target = labels[:, first_base + shift:].reshape(-1)
+        if not bool((target >= 0).any()):
+            continue
         pred = logits[i, :, first_base : t - shift].reshape(-1, logits.shape[-1])
-        total = total + decay ** i * nn.functional.cross_entropy(pred, rows[:, first_base + shift:].reshape(-1))
+        total = total + decay ** i * nn.functional.cross_entropy(pred, target, ignore_index=-100)
     return total

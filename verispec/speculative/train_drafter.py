@@ -27,11 +27,12 @@ The target stays frozen and only the heads train (Medusa-1; EAGLE-3 likewise):
    self-distilled rows this is what greedy speculation with these heads would accept on the
    answers. Training scores every position, the prompt's included.
 
-Heads share the target's LM head by default (``own_lm_heads=False``): an LM head of its own is
-``vocab x hidden`` per head (233M parameters each for the 1.5B target), too much to train on a
-CPU, while the ResBlocks are ``hidden^2`` each. An EAGLE-3 head gets a reduced vocabulary
-instead (``draft_vocab_size``, the data's most frequent tokens, its LM head initialised from the
-target's rows for them) and one decoder layer whose MLP width is ``intermediate_size``.
+Both methods draft from a reduced vocabulary (``draft_vocab_size``, the data's most frequent
+tokens; the whole vocabulary where it is no larger). Medusa heads share the target's LM head by
+default (``own_lm_heads=False``), frozen, its rows for those tokens: an LM head of its own is
+``draft vocab x hidden`` per head (233M parameters each for the 1.5B target's full vocabulary),
+while the ResBlocks are ``hidden^2`` each. An EAGLE-3 head's LM head is initialised from the
+target's rows and trains, and its one decoder layer has the MLP width ``intermediate_size``.
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def evaluate(heads: MedusaHeads, features: list[Tensor], rows: list[list[int]], 
                                       first_base=first).item())
         if usable <= first:
             continue
-        pred = heads(hidden.float(), shared_head).argmax(-1)  # [K, T]
+        pred = heads.target_ids(heads(hidden.float(), shared_head).argmax(-1))  # [K, T], target ids
         hits = torch.stack([pred[i, first:usable] == ids[first + i + 2 : i + 2 + usable]
                             for i in range(k)])  # [K, usable - first]
         correct += hits.sum(1).float()
@@ -315,11 +316,16 @@ def train_medusa(target, rows: list[list[int]], out: Path, settings: TrainSettin
     if features is None:
         features = [target_features(decoder, torch.tensor([r]))[0].to(torch.bfloat16) for r in rows]
     held, train = _split(rows, settings)
-    weight = lm_head_weight(decoder).detach().float()
-    shared = None if settings.own_lm_heads else (lambda x: x @ weight.T)
+    c = decoder.config
+    d2t = choose_draft_vocab(rows, c.vocab_size, settings.draft_vocab_size)
     torch.manual_seed(settings.seed)
-    heads = MedusaHeads(decoder.config.hidden_size, decoder.config.vocab_size, settings.num_heads,
-                        settings.num_layers, own_lm_heads=settings.own_lm_heads)
+    heads = MedusaHeads(c.hidden_size, c.vocab_size, settings.num_heads, settings.num_layers,
+                        own_lm_heads=settings.own_lm_heads, draft_vocab_size=len(d2t))
+    heads.d2t.copy_(d2t)
+    # the target's LM-head rows for the draft vocabulary [V_draft, H]: shared and frozen, or where
+    # the heads' own LM heads start
+    weight = lm_head_weight(decoder).detach().float()[heads.target_ids(torch.arange(len(d2t)))]
+    shared = None if settings.own_lm_heads else (lambda x: x @ weight.T)
     heads.init_from_target(weight)
     held_feats, held_rows = [features[i] for i in held], [rows[i] for i in held]
     held_starts = [answer_starts[i] for i in held] if answer_starts else None
