@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -104,3 +108,37 @@ def test_a_huge_prompt_does_not_freeze_the_event_loop(server):
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in result["data"]["error"]["message"]
     assert len(latencies) >= 5, latencies  # the prompt really kept the server busy for a while
     assert max(latencies) < 0.5, latencies
+
+
+
+FREEZE_SCRIPT = """
+import gc
+from liveserver import make_server
+
+def in_full_passes(obj):  # frozen objects are in none of the collector's generations
+    return any(o is obj for o in gc.get_objects(generation=2))
+
+old = [object()]  # a container: tracked by the collector
+gc.collect()
+assert in_full_passes(old)
+with make_server():
+    assert not in_full_passes(old)
+    new = [object()]
+    gc.collect()
+    assert in_full_passes(new)  # what serving allocates is collected as usual
+    with make_server():
+        assert not in_full_passes(old)
+    assert not in_full_passes(old) and in_full_passes(new)  # the first server still runs
+assert in_full_passes(old) and gc.get_freeze_count() == 0
+print("checked")
+"""
+
+
+def test_the_heap_is_frozen_while_servers_run_and_unfrozen_after_the_last():
+    """The first server of a process freezes the heap it finds, the last to stop unfreezes it
+    (in a process of its own: this one's package server holds a freeze already)."""
+    tests = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", FREEZE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("checked"), done.stderr[-3000:]

@@ -19,6 +19,13 @@ stays responsive meanwhile. Only a token-id prompt is refused for length before 
 may span many characters and a normalizer may drop some, so no character count proves a text
 prompt too long for the context.
 
+While a server runs, the heap the process had when serving began (torch, transformers, the
+models: hundreds of thousands of objects) is frozen (``gc.freeze``, as vLLM's server does), so
+the collector's full passes walk only what serving allocates. Unfrozen, one full pass over a
+test process's heap took 0.3 s on a Zen 4 EPYC and stopped the event loop and the engine thread
+for as long, whatever ran in worker threads. Several servers in one process share the freeze:
+the first to start freezes, the last to stop unfreezes.
+
 A client that disconnects cancels its request: a stream notices when its generator is
 cancelled, a plain request has a task waiting for the connection's disconnect message while
 tokens flow. Either way the engine thread
@@ -28,9 +35,11 @@ aborts the sequence and its slot is free for the next request.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -61,6 +70,28 @@ MAX_STREAM_BACKLOG = 256  # unread stream events after which a slow reader's req
 _ERROR_TYPES = {400: "invalid_request_error", 499: "cancelled", 503: "service_unavailable", 504: "timeout"}
 
 
+_serving = 0  # servers of this process between their start and their stop
+_serving_lock = threading.Lock()
+
+
+def _freeze_heap() -> None:
+    """Freeze the heap when the first server of the process starts (see the module docstring)."""
+    global _serving
+    with _serving_lock:
+        _serving += 1
+        if _serving == 1:
+            gc.collect()  # what is garbage now is collected, not frozen
+            gc.freeze()
+
+
+def _unfreeze_heap() -> None:
+    global _serving
+    with _serving_lock:
+        _serving -= 1
+        if _serving == 0:
+            gc.unfreeze()
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
                  headers: dict[str, str] | None = None, param: str | None = None) -> None:
@@ -85,8 +116,12 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, ma
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         runner.start()
-        yield
-        await asyncio.to_thread(runner.stop)
+        _freeze_heap()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(runner.stop)
+            _unfreeze_heap()
 
     app = FastAPI(title="verispec", lifespan=lifespan)
     app.state.runner = runner
