@@ -15,6 +15,7 @@ from distribution import PROMPT, SETTINGS, VOCAB, exact_joint, goodness_of_fit, 
 from tiny import bigram, loaded, sampled_rows, tiny_model, torch_threads
 from verispec.config import SamplingParams, SpeculativeConfig, TrainSettings
 from verispec.engine.engine import Engine
+from verispec.models.quant import quantize_
 from verispec.speculative.base import DrafterContext, build_drafter
 from verispec.speculative.eagle import (Eagle3Head, EagleConfig, EagleDrafter, choose_draft_vocab,
                                         default_aux_layers, eagle_loss, eagle_unrolled, load_eagle, save_eagle,
@@ -447,3 +448,18 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     assert resumed[-1] == straight[-1]
     a, b = load_eagle(tmp_path / "a", decoder.config), load_eagle(tmp_path / "b", decoder.config)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_prefix_caching_is_off_by_default_and_refused_when_asked():
+    """The head reads every prompt position's features after prefill; a cached prefix has none."""
+    decoder = tiny_model(seed=1, dtype=torch.float32)
+    head = random_head(head_config(decoder))
+    spec = SpeculativeConfig(method="eagle3", num_speculative_tokens=3, adaptive=False)
+
+    native = quantize_(tiny_model(seed=1, dtype=torch.float32), "int8", dense_prefill=False, native=True)
+    assert Engine(loaded(native), None, max_model_len=64, prefix_caching=None).prefix_caching  # on without it
+    assert not Engine(loaded(native), spec, max_model_len=64, drafter=EagleDrafter(head, native.embed, 64),
+                      prefix_caching=None).prefix_caching
+    with pytest.raises(ValueError, match="every prompt position's hidden states"):
+        Engine(loaded(decoder), spec, max_model_len=64, drafter=EagleDrafter(head, decoder.embed, 64),
+               prefix_caching=True)

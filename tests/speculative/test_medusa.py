@@ -15,6 +15,7 @@ from distribution import PROMPT, SETTINGS, VOCAB, exact_joint, goodness_of_fit, 
 from tiny import bigram, loaded, sampled_rows, tiny_model, torch_threads
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
+from verispec.models.quant import quantize_
 from verispec.speculative.base import DrafterContext, build_drafter
 from verispec.speculative.medusa import (MedusaDrafter, MedusaHeads, load_medusa, medusa_loss, save_medusa,
                                          target_features)
@@ -398,3 +399,43 @@ def test_a_round_computes_only_the_heads_it_drafts_with():
     seq = SimpleNamespace(slot=0, params=SamplingParams(temperature=0.0), target_hidden=h)
     drafter.start(seq)
     assert len(drafter.propose(seq, 2)) == 2 and calls == [0, 1]
+
+
+def test_prefix_caching_stays_on_and_a_cached_prefix_drafts_as_a_whole_prompt_does():
+    """Medusa reads only the last prompt position's state, so prefix caching stays on, and a
+    request that reuses a kept prefix gets that state bit for bit: the same drafts, round by
+    round, and the same output as an engine that prefilled the whole prompt."""
+    decoder = tiny_model(seed=1, dtype=torch.float32)  # float32: rows do not depend on the pass
+    heads = trained_heads(decoder)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    native = quantize_(tiny_model(seed=1, dtype=torch.float32), "int8", dense_prefill=False, native=True)
+    spec = SpeculativeConfig(method="medusa", num_speculative_tokens=3)
+    assert Engine(loaded(native), spec, max_model_len=64, drafter=MedusaDrafter(heads), prefix_caching=None).prefix_caching
+
+    def engine(drafts: list | None = None):
+        if drafts is None:
+            return Engine(loaded(decoder), None, max_model_len=256, prefix_caching=True)
+        drafter = MedusaDrafter(heads)
+        propose = drafter.propose
+
+        def recorded(seq, k):
+            proposal = propose(seq, k)
+            drafts.append(list(proposal.tokens))
+            return proposal
+
+        drafter.propose = recorded
+        spec = SpeculativeConfig(method="medusa", num_speculative_tokens=3, adaptive=False)
+        return Engine(loaded(decoder), spec, max_model_len=256, drafter=drafter, prefix_caching=True)
+
+    cached_drafts, whole_drafts = [], []
+    eng = engine(cached_drafts)
+    assert eng.prefix_caching
+    first = eng.generate(PROMPT_G, params)
+    prompt = first.prompt_ids + first.output_ids + [5, 9, 13, 2]
+    cached_drafts.clear()
+    second = eng.generate(prompt, params)
+    assert second.metrics.cached_prompt_tokens > len(PROMPT_G)
+    whole = engine(whole_drafts).generate(prompt, params)
+    assert whole.metrics.cached_prompt_tokens == 0
+    assert second.output_ids == whole.output_ids == engine().generate(prompt, params).output_ids
+    assert len(cached_drafts) > 10 and cached_drafts == whole_drafts

@@ -75,8 +75,9 @@ before it. ``prefix_caching=None`` (the default) turns it on where that holds an
 a native model on the CPU that keeps no dense prefill copies
 (:meth:`~verispec.models.decoder.Decoder.prefills_on_the_decode_kernels`), whose long-prompt
 prefill runs the same kernels anyway (1.5B, 700 tokens on the AVX2 EPYC: 8.3-8.6 s through the decode path,
-8.7-9.3 s through the prefill path). Drafters that read the target's hidden states (Medusa,
-EAGLE) need every prompt position's features after prefill, so it stays off for them.
+8.7-9.3 s through the prefill path). A drafter that reads every prompt position's hidden
+states after prefill (EAGLE) gets none for a cached prefix, so it stays off for it; one that reads
+only the last position's (Medusa, ``last_prompt_state_only``) keeps it.
 
 Faults. A failure that belongs to one sequence (its drafter's ``propose``, its verification and
 sampling, its commit and stop check, the controller's bookkeeping for it) finishes that
@@ -173,6 +174,9 @@ class Engine:
         # Target hidden-state layers the drafter reads (Medusa, EAGLE), in the decoder's
         # numbering: 0 = embeddings, i = after layer i, -1 = the final normed state.
         self.hidden_layers: tuple[int, ...] | None = getattr(drafter, "hidden_layers", None)
+        # whether prefill must hand over every prompt position's states (EAGLE) or the last (Medusa)
+        self.needs_every_prompt_state = (self.hidden_layers is not None
+                                         and not getattr(drafter, "last_prompt_state_only", False))
         self.controller = controller or build_controller(speculative)
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
         self.prefix_caching = self._prefix_caching(prefix_caching)
@@ -287,14 +291,14 @@ class Engine:
             return False
         exact = self.model.rows_are_pass_invariant()
         if asked is None:
-            return exact and self.hidden_layers is None and self.model.prefills_on_the_decode_kernels()
+            return exact and not self.needs_every_prompt_state and self.model.prefills_on_the_decode_kernels()
         if not exact:
             raise ValueError(
                 "prefix caching needs a model whose rows do not depend on the pass that computes them "
                 "(float32 on the CPU with the native kernels); this one's would change with it")
-        if self.hidden_layers is not None:
-            raise ValueError("prefix caching does not work with a drafter that reads the target's hidden "
-                             "states (it needs every prompt position's features after prefill)")
+        if self.needs_every_prompt_state:
+            raise ValueError("prefix caching does not work with a drafter that reads every prompt position's "
+                             "hidden states after prefill (EAGLE): a cached prefix has none")
         return True
 
     def _slot_for(self, prompt_ids: list[int]) -> int:

@@ -19,6 +19,9 @@ tree (see :mod:`verispec.speculative.tree`) verified in one target pass. Chain d
 A drafter that reads the target's hidden states declares ``hidden_layers`` (a tuple of layer
 indices: 0 = embeddings, i = after layer i, -1 = the final normed state); the engine then puts
 those layers, concatenated, in ``seq.target_hidden`` before ``start`` and every ``feedback``.
+After prefill that is every prompt position the pass ran; a drafter that reads only the last one
+declares ``last_prompt_state_only = True``, and prefix caching (which runs only the positions a
+slot did not keep) stays on for it.
 
 A drafter with costs of its own worth timing up front may also have
 ``calibrate(slot, token, reference) -> (a draft step, [(prompt length, time to read it)],

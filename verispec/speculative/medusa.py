@@ -222,6 +222,7 @@ class MedusaDrafter:
     """Chain or tree proposals from :class:`MedusaHeads` (module doc)."""
 
     hidden_layers = (-1,)  # the final normed hidden state, the one the LM head reads
+    last_prompt_state_only = True  # `start` reads the last prompt position's: prefix caching stays on
 
     def __init__(self, heads: MedusaHeads, *, tree: Tree | None = None, topk: int = 1,
                  budget: int | None = None, target_head: Callable[[Tensor], Tensor] | None = None) -> None:
