@@ -417,6 +417,9 @@ def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
                    help=f"steps over which the learning rate rises linearly to --lr (default {d.warmup_steps})")
     t.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm,
                    help=f"clip gradients to this norm, 0 for no clipping (default {d.max_grad_norm})")
+    t.add_argument("--train-rows", type=int, default=d.train_rows,
+                   help="train on this many rows of the training split only, the held-out rows unchanged "
+                   "(a learning curve against the data; default all)")
     t.add_argument("--held-out", type=float, default=d.held_out,
                    help=f"fraction of rows never trained on, for the acceptance reports (default {d.held_out})")
     t.add_argument("--own-lm-heads", action="store_true",
@@ -437,7 +440,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                              eval_every=args.eval_every, save_every=args.save_every, seed=args.seed,
                              own_lm_heads=args.own_lm_heads, ttt_steps=args.ttt_steps,
                              draft_vocab_size=args.draft_vocab_size, intermediate_size=args.intermediate_size,
-                             warmup_steps=args.warmup_steps, max_grad_norm=args.max_grad_norm)
+                             warmup_steps=args.warmup_steps, max_grad_norm=args.max_grad_norm,
+                             train_rows=args.train_rows)
     set_threads(args.threads)
     reports = run(args.target, args.method, args.data, args.out, settings, resume=args.resume,
                   quantization=args.quantization)

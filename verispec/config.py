@@ -249,8 +249,13 @@ class TrainSettings:
     # clipped to max_grad_norm (0: not clipped).
     warmup_steps: int = 0
     max_grad_norm: float = 0.0
+    # Train on the first train_rows rows of the training split only (0: all of them), the
+    # held-out rows unchanged: a learning curve against the data.
+    train_rows: int = 0
 
     def __post_init__(self) -> None:
+        if self.train_rows < 0:
+            raise ValueError(f"train_rows must be >= 0, got {self.train_rows}")
         if self.warmup_steps < 0 or self.max_grad_norm < 0:
             raise ValueError(f"warmup_steps and max_grad_norm must be >= 0, got {self.warmup_steps}, "
                              f"{self.max_grad_norm}")

@@ -116,3 +116,35 @@ def test_eagle_reports_skip_the_prompts_positions():
     everything = evaluate_eagle(head, [features], [row], embed, 0, 3)
     assert answers.head_accuracy[0] == 0.0 and answers.mean_acceptance_length == 1.0
     assert everything.head_accuracy[0] > 0.4 and everything.mean_acceptance_length > 1.4
+
+
+def test_train_rows_keeps_the_held_out_rows_and_trains_on_a_prefix_of_the_rest(tmp_path):
+    """A learning curve against data: runs with fewer rows are judged on the same held-out rows,
+    learn less from fewer rows, and count their draft vocabulary on the rows they read."""
+    from tiny import bigram, sampled_rows
+    from verispec.speculative.train_drafter import _split, train_medusa
+
+    rows = [[i] * 4 for i in range(40)]
+    held, train = _split(rows, TrainSettings(held_out=0.25))
+    some_held, some = _split(rows, TrainSettings(held_out=0.25, train_rows=5))
+    assert some_held == held and some == train[:5]
+    with pytest.raises(ValueError, match="only 30 rows are left to train on"):
+        _split(rows, TrainSettings(held_out=0.25, train_rows=31))
+    with pytest.raises(ValueError, match="train_rows must be >= 0"):
+        TrainSettings(train_rows=-1)
+
+    decoder = bigram(tiny_model(seed=1, dtype=torch.float32))
+    rows = sampled_rows(decoder, 40, 24, seed=3, greedy=True).tolist()
+
+    def run(train_rows: int, out):
+        settings = TrainSettings(num_heads=3, steps=60, batch_size=8, lr=1e-2, seq_len=24, eval_every=60,
+                                 save_every=60, held_out=0.25, draft_vocab_size=20, train_rows=train_rows)
+        return train_medusa(loaded(decoder), rows, out, settings, log=lambda _: None, progress=False)
+
+    full, few = run(0, tmp_path / "all"), run(2, tmp_path / "two")
+    assert full[-1].mean_acceptance_length > few[-1].mean_acceptance_length > few[0].mean_acceptance_length
+    from verispec.speculative.medusa import load_medusa
+    held, two = _split(rows, TrainSettings(held_out=0.25, train_rows=2))
+    read = {t for i in held + two for t in rows[i]}
+    vocab = set(load_medusa(tmp_path / "two", 64, VOCAB).target_ids(torch.arange(20)).tolist())
+    assert vocab <= read or read <= vocab  # every draft token was read, or every token read is drafted

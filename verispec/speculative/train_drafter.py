@@ -25,7 +25,10 @@ The target stays frozen and only the heads train (Medusa-1; EAGLE-3 likewise):
    per position, 1 (the target's own token) plus the number of leading drafts that are right.
    Only the positions whose drafts are answer tokens count (:func:`first_drafted`), so on
    self-distilled rows this is what greedy speculation with these heads would accept on the
-   answers. Training scores every position, the prompt's included.
+   answers. Training scores every position, the prompt's included. ``train_rows`` trains on
+   the first rows of the training split only, the held-out rows the same: runs with more and
+   fewer rows give acceptance against training data (a learning curve), each with a draft
+   vocabulary counted on the rows it reads.
 
 Both methods draft from a reduced vocabulary (``draft_vocab_size``, the data's most frequent
 tokens; the whole vocabulary where it is no larger). Medusa heads share the target's LM head by
@@ -58,7 +61,8 @@ ANSWER_BATCH = 8  # prompts answered at once
 
 # What a resumed run must share with the checkpoint (steps and reporting may change).
 RESUME_KEYS = ("num_heads", "num_layers", "batch_size", "lr", "seq_len", "max_new_tokens", "held_out", "seed",
-               "own_lm_heads", "ttt_steps", "draft_vocab_size", "intermediate_size", "warmup_steps", "max_grad_norm")
+               "own_lm_heads", "ttt_steps", "draft_vocab_size", "intermediate_size", "warmup_steps", "max_grad_norm",
+               "train_rows")
 
 
 @dataclass(frozen=True)
@@ -236,7 +240,19 @@ def _split(rows: list[list[int]], settings: TrainSettings) -> tuple[list[int], l
     held, train = order[:n_held], order[n_held:]
     if not train:
         raise ValueError(f"{len(rows)} rows leave none to train on after holding out {n_held}")
+    if settings.train_rows:
+        if settings.train_rows > len(train):
+            raise ValueError(f"--train-rows {settings.train_rows}: only {len(train)} rows are left to train on "
+                             f"after holding out {n_held} of {len(rows)}")
+        train = train[:settings.train_rows]  # the same held-out rows whatever the number trained on
     return held, train
+
+
+def _vocab_rows(rows: list[list[int]], held: list[int], train: list[int],
+                settings: TrainSettings) -> list[list[int]]:
+    """The rows the draft vocabulary is counted on: every row, or with ``train_rows`` the rows
+    the run reads (so a smaller run's vocabulary owes nothing to rows it never saw)."""
+    return [rows[i] for i in sorted(held + train)] if settings.train_rows else rows
 
 
 def _fit(module: torch.nn.Module, train: list[int], out: Path, settings: TrainSettings, *, resume: bool,
@@ -254,7 +270,8 @@ def _fit(module: torch.nn.Module, train: list[int], out: Path, settings: TrainSe
         if not checkpoint.is_file():
             raise ValueError(f"--resume: {checkpoint} does not exist")
         state = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        changed = {k for k in RESUME_KEYS if state["settings"].get(k) != getattr(settings, k)}
+        defaults = TrainSettings()  # a checkpoint from before a setting existed ran with its default
+        changed = {k for k in RESUME_KEYS if state["settings"].get(k, getattr(defaults, k)) != getattr(settings, k)}
         if changed:
             raise ValueError(f"--resume: {checkpoint} was trained with other {', '.join(sorted(changed))}: "
                              f"{ {k: state['settings'].get(k) for k in sorted(changed)} }")
@@ -317,7 +334,7 @@ def train_medusa(target, rows: list[list[int]], out: Path, settings: TrainSettin
         features = [target_features(decoder, torch.tensor([r]))[0].to(torch.bfloat16) for r in rows]
     held, train = _split(rows, settings)
     c = decoder.config
-    d2t = choose_draft_vocab(rows, c.vocab_size, settings.draft_vocab_size)
+    d2t = choose_draft_vocab(_vocab_rows(rows, held, train, settings), c.vocab_size, settings.draft_vocab_size)
     torch.manual_seed(settings.seed)
     heads = MedusaHeads(c.hidden_size, c.vocab_size, settings.num_heads, settings.num_layers,
                         own_lm_heads=settings.own_lm_heads, draft_vocab_size=len(d2t))
@@ -389,11 +406,11 @@ def train_eagle(target, rows: list[list[int]], out: Path, settings: TrainSetting
     ``answer_starts`` as for :func:`train_medusa`."""
     decoder = target.model
     out.mkdir(parents=True, exist_ok=True)
-    head = new_eagle_head(decoder, rows, settings)
+    held, train = _split(rows, settings)
+    head = new_eagle_head(decoder, _vocab_rows(rows, held, train, settings), settings)
     if features is None:
         features = [target_eagle_features(decoder, torch.tensor([r]), head.config.aux_layers)[0].to(torch.bfloat16)
                     for r in rows]
-    held, train = _split(rows, settings)
 
     def embed(ids: Tensor) -> Tensor:
         return decoder.embed(ids).float()
