@@ -142,6 +142,13 @@ def test_report_is_complete_and_flags_the_broken_method(full_run):
     assert broken["first_divergence"]["index"] == corrupted_at[0]
     assert report["goals"]["verispec_t0_identical"]["met"] is False
 
+    # the details table gives each method's prompt time: end to end minus decode
+    md = (out / "report.md").read_text()
+    assert "| decode speedup | prompt s |" in md
+    plain = report["results"]["plain"]["overall"]
+    row = next(line for line in md.splitlines() if line.startswith("| plain | overall |"))
+    assert row.split(" | ")[6] == f"{plain['total_s'] - plain['decode_s']:.1f}"
+
     # Multi-turn: turn 2's prompt carries turn 1's answer; the starting method rotates per block.
     runs = [r for r in report["runs"] if r["method"] == "plain" and r["question_id"] == "1" and r["repeat"] == 0]
     assert [r["turn"] for r in runs] == [0, 1]

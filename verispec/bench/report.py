@@ -403,9 +403,9 @@ def render_markdown(report: dict) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += [
         "", "## Details", "",
-        "| method | category | tok/s | speedup | decode tok/s | decode speedup | mean acc len | acc rate "
-        "| per-position acc | draft / verify share | c | alpha | identical to plain |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
+        "| method | category | tok/s | speedup | decode tok/s | decode speedup | prompt s | mean acc len "
+        "| acc rate | per-position acc | draft / verify share | c | alpha | identical to plain |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
     ]
     for label, by_cat in report["results"].items():
         for c in cats:
@@ -414,9 +414,12 @@ def render_markdown(report: dict) -> str:
             f = by_cat[c]
             pos = " ".join(f"{a:.2f}" for a in f["per_position_acceptance"] or []) or "-"
             share = "n/a" if f["draft_share"] is None else f"{f['draft_share']:.0%} / {f['verify_share']:.0%}"
+            # end to end minus decode: the turns' prompt prefill (and time to first token)
+            prompt = None if f.get("total_s") is None or f.get("decode_s") is None else f["total_s"] - f["decode_s"]
             lines.append(
                 f"| {label} | {c} | {_f(f['tok_s'])} | {_f(f['speedup'])}x | {_f(f['decode_tok_s'])} | "
-                f"{_f(f['decode_speedup'])}x | {_f(f['mean_acceptance_length'])} | {_f(f['acceptance_rate'])} | "
+                f"{_f(f['decode_speedup'])}x | {_f(prompt, '.1f')} | {_f(f['mean_acceptance_length'])} | "
+                f"{_f(f['acceptance_rate'])} | "
                 f"{pos} | {share} | {_f(f['c'], '.3f')} | {_f(f['alpha'], '.3f')} | {_identical(f)} |")
     if any(m["backend"] != "verispec" for m in report["methods"]):
         lines += ["", "transformers, llama.cpp and other servers compute with other kernels than verispec, so at "
