@@ -33,7 +33,7 @@ demo: setup
 # The suite, real-model tests included (models are fetched on first use); `make test-long` adds
 # further settings of checks it already makes.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # Further settings of checks the suite already makes (minutes each).
 test-long: setup
