@@ -414,8 +414,7 @@ def render_markdown(report: dict) -> str:
             f = by_cat[c]
             pos = " ".join(f"{a:.2f}" for a in f["per_position_acceptance"] or []) or "-"
             share = "n/a" if f["draft_share"] is None else f"{f['draft_share']:.0%} / {f['verify_share']:.0%}"
-            # end to end minus decode: the turns' prompt prefill (and time to first token)
-            prompt = None if f.get("total_s") is None or f.get("decode_s") is None else f["total_s"] - f["decode_s"]
+            prompt = f["total_s"] - f["decode_s"]  # the turns' prompt prefill (and time to first token)
             lines.append(
                 f"| {label} | {c} | {_f(f['tok_s'])} | {_f(f['speedup'])}x | {_f(f['decode_tok_s'])} | "
                 f"{_f(f['decode_speedup'])}x | {_f(prompt, '.1f')} | {_f(f['mean_acceptance_length'])} | "
