@@ -96,8 +96,35 @@ class Tokenizer:
     # -- encoding -----------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS where the tokenizer does."""
-        return [int(i) for i in self.hf.encode(text, add_special_tokens=add_special_tokens)]
+        """Token ids of ``text``; ``add_special_tokens`` adds BOS/EOS where the tokenizer does.
+
+        The ids are those of ``hf.encode``. For a fast tokenizer in its default state they come
+        straight from the Rust backend's ``encode_batch_fast``, which is what ``hf.encode`` runs
+        apart from character offsets: it tokenizes with the GIL released, computes no offsets
+        (about 4x faster on a megabyte of text) and builds one Python list where transformers
+        builds three. What holds the GIL is then a few milliseconds per million tokens, so a
+        server tokenizing a huge prompt in a worker thread keeps answering.
+        """
+        backend = self._plain_backend()
+        if backend is None:
+            return [int(i) for i in self.hf.encode(text, add_special_tokens=add_special_tokens)]
+        return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _plain_backend(self) -> Any:
+        """The Rust tokenizer when ``hf.encode`` would call it unchanged, else None.
+
+        transformers switches off a truncation or padding stored in the backend and sets its
+        ``encode_special_tokens`` from ``split_special_tokens`` before encoding; a backend in
+        another state goes through ``hf.encode`` instead.
+        """
+        if not getattr(self.hf, "is_fast", False):
+            return None
+        backend = self.hf.backend_tokenizer
+        if not hasattr(backend, "encode_batch_fast") or backend.truncation is not None or backend.padding is not None:
+            return None
+        if backend.encode_special_tokens != bool(getattr(self.hf, "split_special_tokens", False)):
+            return None
+        return backend
 
     @property
     def has_chat_template(self) -> bool:
