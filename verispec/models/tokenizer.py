@@ -120,7 +120,7 @@ class Tokenizer:
         if not getattr(self.hf, "is_fast", False):
             return None
         backend = self.hf.backend_tokenizer
-        if not hasattr(backend, "encode_batch_fast") or backend.truncation is not None or backend.padding is not None:
+        if backend.truncation is not None or backend.padding is not None:
             return None
         if backend.encode_special_tokens != bool(getattr(self.hf, "split_special_tokens", False)):
             return None
