@@ -3,7 +3,6 @@ body is parsed, and a huge prompt is tokenized off the event loop."""
 
 from __future__ import annotations
 
-import gc
 import http.client
 import json
 import os
