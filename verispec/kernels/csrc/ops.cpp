@@ -56,9 +56,11 @@ bool isa_supported(int isa) {
 }
 
 // The default path for m rows. AMX's tile dot products cost a fixed ~170 ns per superblock
-// (eight tile stores of 1 KB for Q4_K), whatever the rows; on a Xeon with AMX the VNNI path was
-// faster up to 9 rows and AMX faster at 16 (docs/kernels.md).
-constexpr int64_t kAmxMinRows = 16;
+// (eight tile stores of 1 KB for Q4_K) and per 16-row tile, whatever the rows in it; on a Xeon
+// with AMX, 1.5B passes of 16 and 32 rows took the same time on both paths, of 17 to 20 rows
+// 25-30% less on the AVX512 one (AMX's second tile mostly empty), and from 36 rows less on AMX
+// (docs/kernels.md): AMX starts where its tiles are full.
+constexpr int64_t kAmxMinRows = 32;
 
 // The paths by speed, and the fastest one a call may take by default (set_max_isa; -1: any).
 int speed_rank(int isa) {
