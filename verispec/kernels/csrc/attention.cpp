@@ -81,10 +81,15 @@ void attend_row_scalar(const RowAttn& r) {
 }
 
 // q [B, H, T, D], k and v [B, Hkv, S, D] (D contiguous), mask [B, T, S] bool (True = attend),
-// all float32: out [B, H, T, D]. H is a multiple of Hkv (grouped-query heads share KV heads).
-// isa: the row kernel's path (-1: the default one, see attend_row_for).
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale,
-                        int64_t isa) {
+// all float32: out [B, H, T, D], or [B, T, H, D] when by_position (the rows the output
+// projection reads, so the layer need not transpose them: a torch copy of that size runs on
+// torch's threads, which then wait for cores the kernels' pool still spins on). H is a multiple
+// of Hkv (grouped-query heads share KV heads). isa: the row kernel's path (-1: the default one,
+// see attend_row_for). The layout changes where a row is written, not how it is computed.
+// With slots (one per batch row), k and v are a cache [slots, Hkv, S, D] and row b reads slot
+// slots[b] in place, where a gathered copy would run on torch's threads (see by_position).
+torch::Tensor attention_out(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale,
+                            int64_t isa, bool by_position, const std::vector<int64_t>& slots) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3, "attention takes q, k, v [B, H, T, D] and mask [B, T, S]");
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
               "attention runs float32");
@@ -93,14 +98,18 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   const int64_t hkv = k.size(1), s = k.size(2);
   TORCH_CHECK(d % kLanes == 0, "head dim ", d, " is not a multiple of ", kLanes);
   TORCH_CHECK(hkv > 0 && h % hkv == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(k.size(0) == b && v.size(0) == b && v.size(1) == hkv && v.size(2) == s && k.size(3) == d && v.size(3) == d,
-              "k and v must be [B, Hkv, S, D]");
+  TORCH_CHECK(slots.empty() || (int64_t)slots.size() == b, "one slot per batch row");
+  for (int64_t sl : slots)
+    TORCH_CHECK(sl >= 0 && sl < k.size(0) && sl < v.size(0), "slot ", sl, " is not in the cache");
+  TORCH_CHECK((!slots.empty() || (k.size(0) == b && v.size(0) == b)) && v.size(1) == hkv && v.size(2) == s &&
+                  k.size(3) == d && v.size(3) == d,
+              "k and v must be [B, Hkv, S, D], or caches [slots, Hkv, S, D] with a slot per row");
   TORCH_CHECK(mask.size(0) == b && mask.size(1) == t && mask.size(2) == s, "mask must be [B, T, S]");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v must be contiguous in D");
   const AttendRowFn row_fn = attend_row_for(isa);
   q = q.contiguous();
   mask = mask.contiguous();
-  auto out = torch::empty({b, h, t, d}, torch::kFloat32);
+  auto out = by_position ? torch::empty({b, t, h, d}, torch::kFloat32) : torch::empty({b, h, t, d}, torch::kFloat32);
   const float* pq = q.data_ptr<float>();
   const float* pk = k.data_ptr<float>();
   const float* pv = v.data_ptr<float>();
@@ -126,20 +135,29 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
       const int64_t h0 = kv * group + part * kMaxHeads;
       const int heads = (int)std::min<int64_t>(kMaxHeads, (kv + 1) * group - h0);
       const bool* mr = pm + (bi * t + ti) * s;
-      const int64_t row0 = (bi * h + h0) * t + ti;  // head h0's row; the next head's is t rows on
+      const int64_t row0 = (bi * h + h0) * t + ti;  // head h0's query row; the next head's is t rows on
+      // head h0's output row, and the distance to the next head's
+      float* out0 = po + (by_position ? (bi * t + ti) * h + h0 : row0) * d;
+      const int64_t os = by_position ? d : t * d;
       int64_t n = 0;
       for (int64_t j = 0; j < s; ++j)
         if (mr[j]) idx[n++] = j;
       if (n == 0) {
-        for (int hh = 0; hh < heads; ++hh) std::memset(po + (row0 + hh * t) * d, 0, (size_t)d * sizeof(float));
+        for (int hh = 0; hh < heads; ++hh) std::memset(out0 + hh * os, 0, (size_t)d * sizeof(float));
         continue;
       }
-      row_fn({pq + row0 * d, t * d, heads, pk + bi * k.stride(0) + kv * k.stride(1),
-              pv + bi * v.stride(0) + kv * v.stride(1), k.stride(2), v.stride(2), idx.data(), n, d, sc, p.data(), ps,
-              acc.data(), po + row0 * d, t * d});
+      const int64_t sb = slots.empty() ? bi : slots[bi];
+      row_fn({pq + row0 * d, t * d, heads, pk + sb * k.stride(0) + kv * k.stride(1),
+              pv + sb * v.stride(0) + kv * v.stride(1), k.stride(2), v.stride(2), idx.data(), n, d, sc, p.data(), ps,
+              acc.data(), out0, os});
     }
   });
   return out;
+}
+
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale,
+                        int64_t isa) {
+  return attention_out(q, k, v, mask, scale, isa, false, {});
 }
 
 }  // namespace verispec

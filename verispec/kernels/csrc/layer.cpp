@@ -20,8 +20,8 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
                      std::vector<int64_t> ns, c10::optional<torch::Tensor> bias, bool out_bf16, int64_t isa,
                      bool in_glu, c10::optional<torch::Tensor> norm_w, double eps,
                      c10::optional<torch::Tensor> residual);
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale,
-                        int64_t isa);
+torch::Tensor attention_out(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale,
+                            int64_t isa, bool by_position, const std::vector<int64_t>& slots);
 std::vector<torch::Tensor> qkv_rope(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t h, int64_t hkv);
 
 namespace {
@@ -63,15 +63,6 @@ void write_cache(torch::Tensor& cache, const torch::Tensor& fresh, const std::ve
   }
 }
 
-// The cache entries [0, length) of the slots: a view for a run of consecutive slots, else a gather.
-torch::Tensor cached(const torch::Tensor& cache, const std::vector<int64_t>& slots, int64_t length) {
-  bool run = true;
-  for (size_t i = 1; i < slots.size(); ++i) run = run && slots[i] == slots[0] + (int64_t)i;
-  const torch::Tensor prefix = cache.narrow(2, 0, length);
-  if (run) return prefix.narrow(0, slots[0], (int64_t)slots.size());
-  return prefix.index_select(0, torch::tensor(slots, torch::kLong));
-}
-
 }  // namespace
 
 class NativeLayer {
@@ -104,9 +95,11 @@ class NativeLayer {
     const std::vector<torch::Tensor> qkv_heads = qkv_rope(qkv.view({b, t, qkv.size(1)}), cos, sin, heads_, kv_heads_);
     write_cache(k_cache, qkv_heads[1], slots, starts);
     write_cache(v_cache, qkv_heads[2], slots, starts);
-    const torch::Tensor attn = attention(qkv_heads[0], cached(k_cache, slots, attend_len),
-                                         cached(v_cache, slots, attend_len), mask, scale_, -1);
-    const torch::Tensor h = o_(attn.transpose(1, 2).reshape({b * t, -1}), false, c10::nullopt, 0.0, rows);
+    // each row reads its own slot's entries [0, attend_len) in place and writes [B, T, H, D],
+    // the output projection's rows as they are (see attention_out)
+    const torch::Tensor attn = attention_out(qkv_heads[0], k_cache.narrow(2, 0, attend_len),
+                                             v_cache.narrow(2, 0, attend_len), mask, scale_, -1, true, slots);
+    const torch::Tensor h = o_(attn.view({b * t, -1}), false, c10::nullopt, 0.0, rows);
     const torch::Tensor gate_up = gate_up_(h, false, post_norm_, post_eps_, c10::nullopt);
     return down_(gate_up, true, c10::nullopt, 0.0, h).view({b, t, c});
   }
