@@ -82,12 +82,12 @@ void attend_row_scalar(const RowAttn& r) {
 
 // q [B, H, T, D], k and v [B, Hkv, S, D] (D contiguous), mask [B, T, S] bool (True = attend),
 // all float32: out [B, H, T, D], or [B, T, H, D] when by_position (the rows the output
-// projection reads, so the layer need not transpose them: a torch copy of that size runs on
-// torch's threads, which then wait for cores the kernels' pool still spins on). H is a multiple
+// projection reads, so the layer need not transpose them: torch's copy of that size took 0.6 ms
+// a call inside the layer, docs/kernels.md). H is a multiple
 // of Hkv (grouped-query heads share KV heads). isa: the row kernel's path (-1: the default one,
 // see attend_row_for). The layout changes where a row is written, not how it is computed.
 // With slots (one per batch row), k and v are a cache [slots, Hkv, S, D] and row b reads slot
-// slots[b] in place, where a gathered copy would run on torch's threads (see by_position).
+// slots[b] in place, where a gathered copy cost as much (see by_position).
 torch::Tensor attention_out(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale,
                             int64_t isa, bool by_position, const std::vector<int64_t>& slots) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3, "attention takes q, k, v [B, H, T, D] and mask [B, T, S]");
