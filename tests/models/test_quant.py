@@ -153,9 +153,11 @@ def test_dense_copies_are_bf16_dequantized_weights_and_optional(native):
     for scheme in ("int8", "int4"):
         kept = quantize_(copy.deepcopy(base), scheme, dense_prefill=True, native=native)
         layer = kept.layers[0].gate_up
-        assert layer.dense.dtype == torch.bfloat16
+        # a native layer keeps its copy in oneDNN's layout where PyTorch has oneDNN
+        dense = layer.dense_weight() if native else layer.dense
+        assert dense.dtype == torch.bfloat16 and dense.shape == (layer.out_features, layer.in_features)
         # the dequantized weight, rounded to bf16 (relative error at most 2^-8)
-        assert torch.allclose(layer.dense.float(), layer.dequantize(), rtol=2 ** -8, atol=1e-6)
+        assert torch.allclose(dense.float(), layer.dequantize(), rtol=2 ** -8, atol=1e-6)
         lean = quantize_(copy.deepcopy(base), scheme, dense_prefill=False, native=native)
         assert all(getattr(m, "dense", None) is None for m in lean.modules())
     assert kept.lm_head.dense is None  # the head only ever sees the last prompt row
@@ -277,3 +279,26 @@ def test_native_layers_keep_dense_copies_where_the_measurement_says(monkeypatch,
     layers = [m for m in model.modules() if isinstance(m, NativeLinear) and m is not model.lm_head]
     assert layers and all((m.dense is not None) == pays for m in layers)
     assert model.prefills_on_the_decode_kernels() is not pays
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch without oneDNN")
+def test_dense_copies_in_onednn_layout_multiply_as_the_plain_weight():
+    """The prefill copies are kept reordered for oneDNN (no reorder per call); a product through
+    one is F.linear's on the plain weight up to the bf16 rounding of the output."""
+    from verispec.models.native import dense_linear, onednn_weight
+
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(96, generator=gen).to(torch.bfloat16)
+    packed = onednn_weight(weight)
+    assert packed.is_mkldnn and packed.dtype == torch.bfloat16
+    assert torch.equal(packed.to_dense(), weight)
+    for rows in (1, 7, 64, 130):
+        x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+        got, want = dense_linear(x, packed, bias), nn.functional.linear(x, weight, bias)
+        assert got.shape == want.shape == (rows, 96) and got.dtype == torch.bfloat16
+        # both accumulate in float32 and round once to bf16 (relative step 2^-8)
+        assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7)
+    # what oneDNN cannot take stays as it is, for F.linear
+    f32 = torch.randn(8, 4, generator=gen)
+    assert onednn_weight(f32) is f32 and onednn_weight(None) is None
