@@ -302,3 +302,18 @@ def test_dense_copies_in_onednn_layout_multiply_as_the_plain_weight():
     # what oneDNN cannot take stays as it is, for F.linear
     f32 = torch.randn(8, 4, generator=gen)
     assert onednn_weight(f32) is f32 and onednn_weight(None) is None
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the native kernels")
+def test_a_native_model_with_dense_copies_deep_copies():
+    """oneDNN-layout copies have no storage for copy.deepcopy; the layer copies them as plain
+    tensors and reorders again, so the copy prefills as the original does."""
+    model = quantize_(tiny_model(seed=4, dtype=torch.float32), "int8", dense_prefill=True, native=True)
+    twin = copy.deepcopy(model)
+    layer, other = model.layers[0].gate_up, twin.layers[0].gate_up
+    assert other.dense is not layer.dense and torch.equal(other.dense_weight(), layer.dense_weight())
+    assert other.dense.is_mkldnn == layer.dense.is_mkldnn == torch.backends.mkldnn.is_available()
+    ids = torch.randint(0, 48, (1, PREFILL_MIN_TOKENS + 3), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(ids.shape[1])[None]
+    want = model(ids, positions, model.new_cache(128), prefill=True)
+    assert torch.equal(twin(ids, positions, twin.new_cache(128), prefill=True), want)

@@ -32,6 +32,7 @@ against 5.9-7.6 s through the copies).
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -180,6 +181,20 @@ class NativeLinear(nn.Module):
         bias = None if self.bias is None else self.bias.to(self.dense.dtype)
         y = dense_linear(x.reshape(-1, self.in_features).to(self.dense.dtype), self.dense, bias)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def __deepcopy__(self, memo: dict) -> NativeLinear:
+        """A copy with copies of its weights; a oneDNN-layout copy has no storage that
+        ``copy.deepcopy`` can read, so it is copied as a plain tensor and reordered again."""
+        dense = self._buffers["dense"]
+        self._buffers["dense"] = self.dense_weight()
+        try:
+            new = type(self).__new__(type(self))
+            memo[id(self)] = new
+            new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        finally:
+            self._buffers["dense"] = dense
+        new._buffers["dense"] = onednn_weight(new._buffers["dense"])
+        return new
 
     def dense_weight(self) -> Tensor | None:
         """The dense bf16 prefill copy as a plain [N, K] tensor (None if the layer keeps none)."""
