@@ -305,6 +305,34 @@ def test_attention_paths_give_the_scalar_bits():
 
 
 @needs_kernels
+def test_attention_passes_of_many_positions_give_the_scalar_bits():
+    """The SIMD kernels run the positions of a pass together over blocks of keys (up to 16
+    positions a unit). Verify and prefill shapes: a cached prefix every position attends, then
+    causal rows, more positions than one unit holds, a position with no keys between others, a
+    tree row with scattered ancestors, and a batch of two."""
+    gen = torch.Generator().manual_seed(12)
+    for b, h, hkv, t, n0, d in ((1, 12, 2, 9, 200, 128), (1, 6, 2, 40, 100, 64), (2, 4, 1, 23, 130, 32), (1, 2, 1, 70, 0, 16)):
+        s = n0 + t
+        q = torch.randn(b, h, t, d, generator=gen) * 2
+        k = torch.randn(b, hkv, s, d, generator=gen)
+        v = torch.randn(b, hkv, s, d, generator=gen)
+        mask = torch.zeros(b, t, s, dtype=torch.bool)
+        for i in range(t):
+            mask[:, i, : n0 + i + 1] = True
+        mask[0, t // 2] = False
+        mask[-1, t - 1, n0:] = False
+        mask[-1, t - 1, [n0, n0 + 2, n0 + t - 1]] = True
+        want = kernels.attention(q, k, v, mask, d**-0.5, "scalar")
+        assert torch.equal(want[0, :, t // 2], torch.zeros(h, d))
+        ref = _reference_attention(q, k, v, mask, d**-0.5).nan_to_num()  # the row with no keys: 0
+        assert ((want - ref).norm() / ref.norm()).item() < 1e-5
+        for isa in kernels.supported_isas():
+            for threads in (1, 2):
+                got = with_threads(threads, lambda: kernels.attention(q, k, v, mask, d**-0.5, isa))
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (b, h, t, isa, threads)
+
+
+@needs_kernels
 def test_attention_bad_input_is_a_clear_error():
     q = torch.randn(1, 2, 1, 24)
     with pytest.raises(RuntimeError, match="multiple of 16"):

@@ -12,15 +12,18 @@
 // entries) give the same bits for the same keys.
 //
 // Per (batch, head, row), with the row's attended cache indices s_0 < s_1 < ... < s_{n-1}:
-//   score_i = dot(q, k[s_i]) * scale      dot: 16 lanes over d (d % 16), then a fixed tree
+//   score_i = dot(q, k[s_i]) * scale      dot: 16 lanes over d (d % 16), each lane a chain of
+//                                         fused multiply-adds in d order, then a fixed tree
 //   p_i = exp(score_i - max_i score_i)    exp_fixed (qgemm.h): fixed steps, no libm call
 //   sum = 16 lanes over i (i % 16), then the same tree
-//   out[d] = (sum_i p_i * v[s_i][d], i in order) / sum
+//   out[d] = (fma chain of p_i * v[s_i][d], i in order) / sum
 // This file's attend_row_scalar is the definition. It is compiled for baseline x86-64, without
-// fma contraction and without reassociation, so the compiler's vectorisation cannot change
-// these sums. The AVX2 and AVX512 row kernels (attention_simd.h) run the same IEEE operations on
-// 16 lanes at once and give the same bits; they are what a pass runs by default, since the
-// scalar one cost a 9-row pass of the 1.5B model 40 ms at 512 cached tokens (docs/kernels.md).
+// fma contraction (its fused steps are explicit std::fma calls) and without reassociation, so
+// the compiler's vectorisation cannot change these sums. Fused steps rather than a multiply and
+// an add: half the instructions on the SIMD paths (docs/kernels.md). The AVX2 and AVX512
+// kernels (attention_simd.h) run the same IEEE operations on 16 lanes at once and give the same
+// bits; they are what a pass runs by default, since the scalar one cost a 9-row pass of the
+// 1.5B model 40 ms at 512 cached tokens (docs/kernels.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -60,7 +63,7 @@ void attend_row_scalar(const RowAttn& r) {
       const float* kr = r.kb + r.idx[i] * r.ks;
       float lane[kLanes] = {};
       for (int64_t d0 = 0; d0 < d; d0 += kLanes)
-        for (int l = 0; l < kLanes; ++l) lane[l] += q[d0 + l] * kr[d0 + l];
+        for (int l = 0; l < kLanes; ++l) lane[l] = std::fma(q[d0 + l], kr[d0 + l], lane[l]);
       p[i] = lane_tree(lane) * r.scale;
       mx = p[i] > mx ? p[i] : mx;
     }
@@ -74,10 +77,14 @@ void attend_row_scalar(const RowAttn& r) {
     for (int64_t i = 0; i < n; ++i) {
       const float* vr = r.vb + r.idx[i] * r.vs;
       const float pi = p[i];
-      for (int64_t j = 0; j < d; ++j) r.acc[j] += pi * vr[j];
+      for (int64_t j = 0; j < d; ++j) r.acc[j] = std::fma(pi, vr[j], r.acc[j]);
     }
     for (int64_t j = 0; j < d; ++j) out[j] = r.acc[j] / sum;
   }
+}
+
+void attend_rows_scalar(const RowAttn* rows, int npos) {
+  for (int j = 0; j < npos; ++j) attend_row_scalar(rows[j]);
 }
 
 // q [B, H, T, D], k and v [B, Hkv, S, D] (D contiguous), mask [B, T, S] bool (True = attend),
@@ -85,7 +92,7 @@ void attend_row_scalar(const RowAttn& r) {
 // projection reads, so the layer need not transpose them: torch's copy of that size took 0.6 ms
 // a call inside the layer, docs/kernels.md). H is a multiple
 // of Hkv (grouped-query heads share KV heads). isa: the row kernel's path (-1: the default one,
-// see attend_row_for). The layout changes where a row is written, not how it is computed.
+// see attend_rows_for). The layout changes where a row is written, not how it is computed.
 // With slots (one per batch row), k and v are a cache [slots, Hkv, S, D] and row b reads slot
 // slots[b] in place, where a gathered copy cost as much (see by_position).
 torch::Tensor attention_out(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale,
@@ -106,7 +113,7 @@ torch::Tensor attention_out(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
               "k and v must be [B, Hkv, S, D], or caches [slots, Hkv, S, D] with a slot per row");
   TORCH_CHECK(mask.size(0) == b && mask.size(1) == t && mask.size(2) == s, "mask must be [B, T, S]");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v must be contiguous in D");
-  const AttendRowFn row_fn = attend_row_for(isa);
+  const AttendRowsFn rows_fn = attend_rows_for(isa);
   q = q.contiguous();
   mask = mask.contiguous();
   auto out = by_position ? torch::empty({b, t, h, d}, torch::kFloat32) : torch::empty({b, h, t, d}, torch::kFloat32);
@@ -117,39 +124,57 @@ torch::Tensor attention_out(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
   float* po = out.data_ptr<float>();
   const int64_t group = h / hkv;
   const float sc = (float)scale;
-  // One unit: the query heads (up to kMaxHeads) of one KV head at one position, which attend
-  // to the same keys; the keys are gathered from the mask once for them all.
-  const int64_t parts = (group + kMaxHeads - 1) / kMaxHeads, units = b * hkv * t * parts;
-  const int64_t nchunks = std::min<int64_t>(units, 4 * (int64_t)at::get_num_threads());
+  // One unit: the query heads (up to kMaxHeads) of one KV head at up to kMaxPositions
+  // positions. The heads of a position attend to the same keys, gathered from the mask once for
+  // them all; the positions take turns on each block of keys (attention_simd.h).
+  // Positions are cut into spans of at most kMaxPositions, and into at least two units per
+  // thread where there are positions enough, so that a late thread leaves little to wait for.
+  const int64_t parts = (group + kMaxHeads - 1) / kMaxHeads, others = b * hkv * parts;
+  const int64_t threads = at::get_num_threads();
+  const int64_t spans = std::min<int64_t>(t, std::max<int64_t>((t + kMaxPositions - 1) / kMaxPositions,
+                                                               (2 * threads + others - 1) / others));
+  const int64_t per_span = (t + spans - 1) / spans;
+  const int64_t units = others * spans;
+  const int64_t nchunks = std::min<int64_t>(units, 4 * threads);
+  const int64_t ps = (s + kLanes - 1) / kLanes * kLanes;
   run_chunks(nchunks, [&](int64_t chunk) {
     int64_t u0, u1;
     chunk_range(units, nchunks, chunk, &u0, &u1);
     thread_local std::vector<int64_t> idx;
     thread_local std::vector<float> p, acc;
-    const int64_t ps = (s + kLanes - 1) / kLanes * kLanes;
-    idx.resize((size_t)s);
-    p.resize((size_t)(kMaxHeads * ps));
-    acc.resize((size_t)d);
+    const int64_t most = per_span;
+    if ((int64_t)idx.size() < most * s) idx.resize((size_t)(most * s));
+    if ((int64_t)p.size() < most * kMaxHeads * ps) p.resize((size_t)(most * kMaxHeads * ps));
+    if ((int64_t)acc.size() < d) acc.resize((size_t)d);
+    RowAttn rows[kMaxPositions];
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t part = u % parts, ti = u / parts % t, kv = u / (parts * t) % hkv, bi = u / (parts * t * hkv);
+      const int64_t span = u % spans, part = u / spans % parts, kv = u / (spans * parts) % hkv;
+      const int64_t bi = u / (spans * parts * hkv);
       const int64_t h0 = kv * group + part * kMaxHeads;
       const int heads = (int)std::min<int64_t>(kMaxHeads, (kv + 1) * group - h0);
-      const bool* mr = pm + (bi * t + ti) * s;
-      const int64_t row0 = (bi * h + h0) * t + ti;  // head h0's query row; the next head's is t rows on
-      // head h0's output row, and the distance to the next head's
-      float* out0 = po + (by_position ? (bi * t + ti) * h + h0 : row0) * d;
-      const int64_t os = by_position ? d : t * d;
-      int64_t n = 0;
-      for (int64_t j = 0; j < s; ++j)
-        if (mr[j]) idx[n++] = j;
-      if (n == 0) {
-        for (int hh = 0; hh < heads; ++hh) std::memset(out0 + hh * os, 0, (size_t)d * sizeof(float));
-        continue;
-      }
       const int64_t sb = slots.empty() ? bi : slots[bi];
-      row_fn({pq + row0 * d, t * d, heads, pk + sb * k.stride(0) + kv * k.stride(1),
-              pv + sb * v.stride(0) + kv * v.stride(1), k.stride(2), v.stride(2), idx.data(), n, d, sc, p.data(), ps,
-              acc.data(), out0, os});
+      const int64_t t0 = span * per_span, t1 = std::min(t, t0 + per_span);
+      int npos = 0;
+      for (int64_t ti = t0; ti < t1; ++ti) {
+        const bool* mr = pm + (bi * t + ti) * s;
+        const int64_t row0 = (bi * h + h0) * t + ti;  // head h0's query row; the next head's is t rows on
+        // head h0's output row, and the distance to the next head's
+        float* out0 = po + (by_position ? (bi * t + ti) * h + h0 : row0) * d;
+        const int64_t os = by_position ? d : t * d;
+        int64_t* ix = idx.data() + npos * s;
+        int64_t n = 0;
+        for (int64_t j = 0; j < s; ++j)
+          if (mr[j]) ix[n++] = j;
+        if (n == 0) {
+          for (int hh = 0; hh < heads; ++hh) std::memset(out0 + hh * os, 0, (size_t)d * sizeof(float));
+          continue;
+        }
+        rows[npos] = {pq + row0 * d, t * d, heads, pk + sb * k.stride(0) + kv * k.stride(1),
+                      pv + sb * v.stride(0) + kv * v.stride(1), k.stride(2), v.stride(2), ix, n, d, sc,
+                      p.data() + npos * kMaxHeads * ps, ps, acc.data(), out0, os};
+        ++npos;
+      }
+      if (npos > 0) rows_fn(rows, npos);
     }
   });
   return out;

@@ -1,4 +1,4 @@
-// Attention over the KV cache, one query row at a time: the row kernel each ISA path provides
+// Attention over the KV cache for a few query rows: the kernel each ISA path provides
 // (attention.cpp has the contract, the scalar definition and the torch-facing side).
 #pragma once
 
@@ -30,13 +30,19 @@ struct RowAttn {
   int64_t os;
 };
 
-using AttendRowFn = void (*)(const RowAttn&);
 void attend_row_scalar(const RowAttn& r);
-void attend_row_avx2(const RowAttn& r);
-void attend_row_avx512(const RowAttn& r);
 
-// The row kernel for ISA path isa (ops.cpp's numbering; -1: the default path), checked against
+// The rows of npos positions (at most kMaxPositions) that share a KV head: rows[j] is position
+// j's query heads against its own keys (n > 0), all with the same kb, vb, ks, vs and d. Each
+// row's bits are those of attend_row_scalar on it alone.
+constexpr int kMaxPositions = 16;
+using AttendRowsFn = void (*)(const RowAttn* rows, int npos);
+void attend_rows_scalar(const RowAttn* rows, int npos);
+void attend_rows_avx2(const RowAttn* rows, int npos);
+void attend_rows_avx512(const RowAttn* rows, int npos);
+
+// The kernel for ISA path isa (ops.cpp's numbering; -1: the default path), checked against
 // the CPU: AVX512 and AMX take the AVX512 one, AVX-VNNI and AVX2 the AVX2 one.
-AttendRowFn attend_row_for(int64_t isa);
+AttendRowsFn attend_rows_for(int64_t isa);
 
 }  // namespace verispec

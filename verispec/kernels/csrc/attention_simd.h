@@ -3,21 +3,23 @@
 // for their own instructions.
 //
 // Every step is the scalar definition's IEEE operation on the same operands, lane for lane:
-//   the score's 16 lanes over d are one vector, updated add(lane, mul(q, k)) (no fma);
+//   the score's 16 lanes over d are one vector, updated fma(q, k, lane);
 //   the lane tree adds the upper half onto the lower one (w = 8, 4, 2, 1), as lane_tree does;
 //   exp_fixed is the same steps on 16 lanes (min/max take the scalar's NaN choice: MINPS and
 //   MAXPS return the second operand, the constant, as `x < c ? x : c` does);
 //   the sum's lanes are i % 16, so 16 consecutive p's are one vector add;
-//   each output element is its own accumulator over the keys in order.
+//   each output element is its own accumulator over the keys in order, fma(p, v, acc).
 // Only the order of independent work changes (the heads that share a KV head run together, so
-// each key and value vector is loaded once for them; several keys' scores at once; several
-// vectors of outputs at once), so the bits equal attend_row_scalar's.
+// each key and value vector is loaded once for them; the positions of a pass take turns on a
+// block of keys; several keys' scores at once; several vectors of outputs at once), so the bits
+// equal attend_row_scalar's.
 #pragma once
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "attention.h"
 
@@ -52,10 +54,10 @@ static inline typename V::F exp_lanes(typename V::F x) {
   return V::mul(e, V::pow2(n));
 }
 
-// Scores of G heads against KB keys at a time (G * KB independent chains), times scale, into
-// each head's p.
+// The 16 lanes over d of G heads against KB keys at a time (G * KB independent chains), into
+// raw[g][j0 + j]: the scores before their lane trees.
 template <class V, int G, int KB>
-static inline void scores(const RowAttn& r, int64_t i) {
+static inline void lane_sums(const RowAttn& r, int64_t i, typename V::F (*raw)[16], int j0) {
   using F = typename V::F;
   const float* kr[KB];
   for (int j = 0; j < KB; ++j) kr[j] = r.kb + r.idx[i + j] * r.ks;
@@ -68,46 +70,39 @@ static inline void scores(const RowAttn& r, int64_t i) {
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const F qv = V::load(r.q + g * r.qs + d0);
-      for (int j = 0; j < KB; ++j) a[g][j] = V::add(a[g][j], V::mul(qv, kv[j]));
+      for (int j = 0; j < KB; ++j) a[g][j] = V::fma(qv, kv[j], a[g][j]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < KB; ++j) r.p[g * r.ps + i + j] = V::tree(a[g][j]) * r.scale;
+    for (int j = 0; j < KB; ++j) raw[g][j0 + j] = a[g][j];
 }
 
-// out[d0 .. d0 + 16 NC) of G heads = sum_i p[i] * v[idx[i]][..] / sum, G * NC vectors held in
-// registers; each v vector is loaded once for the G heads.
-template <class V, int G, int NC>
-static inline void values_chunk(const RowAttn& r, int64_t d0, const float* sum) {
-  using F = typename V::F;
-  F acc[G][NC];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NC; ++c) acc[g][c] = V::zero();
-  for (int64_t i = 0; i < r.n; ++i) {
-    const float* vr = r.vb + r.idx[i] * r.vs + d0;
-    F vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = V::load(vr + 16 * c);
-#pragma GCC unroll 8
-    for (int g = 0; g < G; ++g) {
-      const F pi = V::set1(r.p[g * r.ps + i]);
-      for (int c = 0; c < NC; ++c) acc[g][c] = V::add(acc[g][c], V::mul(pi, vv[c]));
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    const F s = V::set1(sum[g]);
-    for (int c = 0; c < NC; ++c) V::store(r.out + g * r.os + d0 + 16 * c, V::div(acc[g][c], s));
-  }
-}
-
+// The scores of keys i0 .. i1 - 1 of the row's list, times scale, into each head's p: 16 keys'
+// lane sums at a time, then their 16 lane trees at once (V::trees16: the same additions as
+// one tree per key, laid out across registers).
 template <class V, int G>
-static void attend_heads(const RowAttn& r) {
+static void scores_range(const RowAttn& r, int64_t i0, int64_t i1) {
   using F = typename V::F;
-  const int64_t n = r.n, d = r.d;
-  constexpr int KB = V::kScoreAcc / G >= 4 ? 4 : V::kScoreAcc / G >= 1 ? V::kScoreAcc / G : 1;  // keys per score block
-  int64_t i = 0;
-  for (; i + KB <= n; i += KB) scores<V, G, KB>(r, i);
-  for (; i < n; ++i) scores<V, G, 1>(r, i);
-  float sum[G];
+  constexpr int KB = V::kScoreAcc / G >= 4 ? 4 : V::kScoreAcc / G >= 1 ? V::kScoreAcc / G : 1;  // keys per chain block
+  F raw[G][16];
+  const F scale = V::set1(r.scale);
+  for (int64_t b = i0; b < i1; b += 16) {
+    const int cnt = (int)std::min<int64_t>(16, i1 - b);
+    int j = 0;
+    for (; j + KB <= cnt; j += KB) lane_sums<V, G, KB>(r, b + j, raw, j);
+    for (; j < cnt; ++j) lane_sums<V, G, 1>(r, b + j, raw, j);
+    for (int g = 0; g < G; ++g) {
+      for (int jj = cnt; jj < 16; ++jj) raw[g][jj] = V::zero();
+      V::store_first(r.p + g * r.ps + b, V::mul(V::trees16(raw[g]), scale), cnt);
+    }
+  }
+}
+
+// p = exp(score - max) over the row's n scores, and each head's sum of them.
+template <class V, int G>
+static void softmax(const RowAttn& r, float* sum) {
+  using F = typename V::F;
+  const int64_t n = r.n;
   const int64_t n16 = (n + 15) / 16 * 16;
   for (int g = 0; g < G; ++g) {
     float* p = r.p + g * r.ps;
@@ -116,7 +111,8 @@ static void attend_heads(const RowAttn& r) {
     // never NaN). Only which zero wins a tie of +0 and -0 can differ, and p - mx, hence exp,
     // is the same for either.
     F vmax = V::set1(-INFINITY);
-    for (i = 0; i + 16 <= n; i += 16) vmax = V::max(V::load(p + i), vmax);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) vmax = V::max(V::load(p + i), vmax);
     float lanes[16];
     V::store(lanes, vmax);
     float mx = -INFINITY;
@@ -134,32 +130,114 @@ static void attend_heads(const RowAttn& r) {
     }
     sum[g] = V::tree(lane);
   }
-  constexpr int NC = V::kAcc / G > 1 ? V::kAcc / G : 1;
-  int64_t d0 = 0;
-  for (; d0 + 16 * NC <= d; d0 += 16 * NC) values_chunk<V, G, NC>(r, d0, sum);
-  for (; d0 < d; d0 += 16) values_chunk<V, G, 1>(r, d0, sum);
 }
 
-// The heads in groups of at most V::kMaxG (the registers one group's accumulators take).
+// The keys i0 .. i1 - 1 of the row's list added into out[d0 .. d0 + 16 NC) of G heads, G * NC
+// vectors held in registers; each v vector is loaded once for the G heads. The running sums
+// live in out between calls (first: they start at zero; last: they are divided by the sum).
+template <class V, int G, int NC>
+static inline void values_chunk(const RowAttn& r, int64_t d0, int64_t i0, int64_t i1, bool first, bool last,
+                                const float* sum) {
+  using F = typename V::F;
+  F acc[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = first ? V::zero() : V::load(r.out + g * r.os + d0 + 16 * c);
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* vr = r.vb + r.idx[i] * r.vs + d0;
+    F vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = V::load(vr + 16 * c);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const F pi = V::set1(r.p[g * r.ps + i]);
+      for (int c = 0; c < NC; ++c) acc[g][c] = V::fma(pi, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const F s = V::set1(sum[g]);
+    for (int c = 0; c < NC; ++c) V::store(r.out + g * r.os + d0 + 16 * c, last ? V::div(acc[g][c], s) : acc[g][c]);
+  }
+}
+
+template <class V, int G>
+static void values_range(const RowAttn& r, int64_t i0, int64_t i1, bool first, bool last, const float* sum) {
+  constexpr int NC = V::kAcc / G > 1 ? V::kAcc / G : 1;
+  int64_t d0 = 0;
+  for (; d0 + 16 * NC <= r.d; d0 += 16 * NC) values_chunk<V, G, NC>(r, d0, i0, i1, first, last, sum);
+  for (; d0 < r.d; d0 += 16) values_chunk<V, G, 1>(r, d0, i0, i1, first, last, sum);
+}
+
+// f(std::integral_constant<int, G>()) for G = heads (1 .. V::kMaxG).
+template <class V, class Fn>
+static inline void with_heads(int heads, Fn&& f) {
+  using std::integral_constant;
+  switch (heads) {
+    case 1: f(integral_constant<int, 1>()); break;
+    case 2: f(integral_constant<int, 2>()); break;
+    case 3: f(integral_constant<int, 3>()); break;
+    case 4: f(integral_constant<int, 4>()); break;
+    case 5: if constexpr (V::kMaxG >= 5) f(integral_constant<int, 5>()); break;
+    case 6: if constexpr (V::kMaxG >= 6) f(integral_constant<int, 6>()); break;
+    case 7: if constexpr (V::kMaxG >= 7) f(integral_constant<int, 7>()); break;
+    default: if constexpr (V::kMaxG >= 8) f(integral_constant<int, 8>()); break;
+  }
+}
+
+// Cache entries per block: the positions of a pass take turns on one block of keys (then of
+// values) while it is in the core's first-level cache (64 keys of 128 floats: 32 KB).
+constexpr int64_t kKeyBlock = 64;
+
+// The rows of several positions that share one KV head (rows[j]: position j's query heads, its
+// own keys idx[0 .. n), n > 0; the same kb, vb, ks, vs and d). Each row is computed exactly as
+// alone; the work is ordered by blocks of cache entries, so that each key and value vector is
+// read from memory once for all the positions, not once per position (at 2,048 cached tokens a
+// KV head's keys and values are 2 MB, more than a core's second-level cache).
 template <class V>
-static void attend_row_simd(const RowAttn& r) {
-  for (int h0 = 0; h0 < r.heads; h0 += V::kMaxG) {
+static void attend_rows_simd(const RowAttn* rows, int npos) {
+  int64_t at[kMaxPositions], end = 0;  // at[j]: position j's first key not yet done
+  float sums[kMaxPositions][kMaxHeads];
+  for (int j = 0; j < npos; ++j) end = std::max(end, rows[j].idx[rows[j].n - 1] + 1);
+  // the rows of position j whose keys lie below `stop`, from at[j] on: fn(row, i0, i1)
+  auto each_run = [&](int64_t stop, auto&& fn) {
+    for (int j = 0; j < npos; ++j) {
+      const RowAttn& r = rows[j];
+      int64_t i1 = at[j];
+      while (i1 < r.n && r.idx[i1] < stop) ++i1;
+      if (i1 > at[j]) fn(j, at[j], i1);
+      at[j] = i1;
+    }
+  };
+  // each head group of a position (V::kMaxG heads at most) as a row of its own
+  auto group = [&](const RowAttn& r, int h0) {
     RowAttn part = r;
     part.heads = std::min(V::kMaxG, r.heads - h0);
     part.q = r.q + h0 * r.qs;
     part.p = r.p + h0 * r.ps;
     part.out = r.out + h0 * r.os;
-    switch (part.heads) {
-      case 1: attend_heads<V, 1>(part); break;
-      case 2: attend_heads<V, 2>(part); break;
-      case 3: attend_heads<V, 3>(part); break;
-      case 4: attend_heads<V, 4>(part); break;
-      case 5: if constexpr (V::kMaxG >= 5) attend_heads<V, 5>(part); break;
-      case 6: if constexpr (V::kMaxG >= 6) attend_heads<V, 6>(part); break;
-      case 7: if constexpr (V::kMaxG >= 7) attend_heads<V, 7>(part); break;
-      default: if constexpr (V::kMaxG >= 8) attend_heads<V, 8>(part); break;
+    return part;
+  };
+  for (int j = 0; j < npos; ++j) at[j] = 0;
+  for (int64_t s0 = 0; s0 < end; s0 += kKeyBlock)
+    each_run(s0 + kKeyBlock, [&](int j, int64_t i0, int64_t i1) {
+      for (int h0 = 0; h0 < rows[j].heads; h0 += V::kMaxG) {
+        const RowAttn part = group(rows[j], h0);
+        with_heads<V>(part.heads, [&](auto g) { scores_range<V, decltype(g)::value>(part, i0, i1); });
+      }
+    });
+  for (int j = 0; j < npos; ++j)
+    for (int h0 = 0; h0 < rows[j].heads; h0 += V::kMaxG) {
+      const RowAttn part = group(rows[j], h0);
+      with_heads<V>(part.heads, [&](auto g) { softmax<V, decltype(g)::value>(part, sums[j] + h0); });
     }
-  }
+  for (int j = 0; j < npos; ++j) at[j] = 0;
+  for (int64_t s0 = 0; s0 < end; s0 += kKeyBlock)
+    each_run(s0 + kKeyBlock, [&](int j, int64_t i0, int64_t i1) {
+      for (int h0 = 0; h0 < rows[j].heads; h0 += V::kMaxG) {
+        const RowAttn part = group(rows[j], h0);
+        with_heads<V>(part.heads, [&](auto g) {
+          values_range<V, decltype(g)::value>(part, i0, i1, i0 == 0, i1 == part.n, sums[j] + h0);
+        });
+      }
+    });
 }
 
 }  // namespace verispec

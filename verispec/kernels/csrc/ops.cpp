@@ -112,15 +112,15 @@ int64_t packed_nbytes(int64_t fmt, int64_t n, int64_t k) { return packed_bytes(i
 
 }  // namespace
 
-AttendRowFn attend_row_for(int64_t isa) {
+AttendRowsFn attend_rows_for(int64_t isa) {
   TORCH_CHECK(isa < 0 || isa_supported((int)isa), "ISA path ", isa, " is not supported by this CPU");
   const int use = isa < 0 ? best_isa(1) : (int)isa;
   switch (use) {
     case kAmx:
-    case kAvx512: return attend_row_avx512;
+    case kAvx512: return attend_rows_avx512;
     case kAvxVnni:
-    case kAvx2: return attend_row_avx2;
-    default: return attend_row_scalar;
+    case kAvx2: return attend_rows_avx2;
+    default: return attend_rows_scalar;
   }
 }
 
