@@ -300,14 +300,15 @@ class RowKeys:
         return cls(index, mask.gather(-1, index), mask)
 
 
-def native_attention(q: Tensor, prefill: bool) -> bool:
-    """Whether a pass's attention runs on :func:`verispec.kernels.attention`: float32 decode,
-    verify and tree passes on a CPU with the native kernels. torch's float32 matmuls change a
-    row's bits with the number of keys a pass attends over (see ``csrc/attention.cpp``); the
-    native kernel's rows depend only on their own keys. Long prompts' prefill keeps torch's
-    batched matmuls (plain and speculative decoding prefill alike)."""
-    return (not prefill and q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[-1] % 16 == 0
-            and kernels.available())
+def native_attention(q: Tensor) -> bool:
+    """Whether a pass's attention runs on :func:`verispec.kernels.attention`: float32 passes on
+    a CPU with the native kernels, long prompts' prefill included. torch's float32 matmuls
+    change a row's bits with the number of keys a pass attends over (see
+    ``csrc/attention.cpp``); the native kernel's rows depend only on their own keys. For a
+    prompt it is also the faster one: it runs a pass's positions together over each block of
+    keys, and measured faster than torch's fused ``scaled_dot_product_attention`` from 64 to
+    700 positions (docs/kernels.md)."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[-1] % 16 == 0 and kernels.available()
 
 
 def row_attention(q: Tensor, k: Tensor, v: Tensor, rows: RowKeys) -> Tensor:
@@ -365,7 +366,7 @@ class DecoderLayer(nn.Module):
         q, k, v = steps.attention_inputs(self, x, cos, sin, prefill)
         cache.write(layer, slots, k, v)
         keys, values = cache.view(layer, slots, attend_len)  # [B, Hkv, S, D]
-        if native_attention(q, prefill):
+        if native_attention(q):
             rows = mask.attend if isinstance(mask, RowKeys) else mask[:, 0]
             attn = kernels.attention(q, keys, values, rows, self.head_dim**-0.5)
         elif isinstance(mask, RowKeys):
@@ -373,8 +374,8 @@ class DecoderLayer(nn.Module):
         elif prefill and _upcast(x):
             attn = grouped_attention(q.float(), keys.float(), values.float(), mask).to(x.dtype)
         elif prefill and x.dtype == torch.float32:
-            # a long prompt in float32 (a native model's activations): one fused attention call.
-            # Its rows need not match decode steps (plain and speculative decoding prefill alike),
+            # a long prompt in float32 without the native kernels: one fused attention call. Its
+            # rows need not match decode steps (plain and speculative decoding prefill alike),
             # and the row-chunked form cost a 1.5B 700-token prefill 0.5 s more.
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         else:
