@@ -196,7 +196,7 @@ static void attend_rows_simd(const RowAttn* rows, int npos) {
   int64_t at[kMaxPositions], end = 0;  // at[j]: position j's first key not yet done
   float sums[kMaxPositions][kMaxHeads];
   for (int j = 0; j < npos; ++j) end = std::max(end, rows[j].idx[rows[j].n - 1] + 1);
-  // the rows of position j whose keys lie below `stop`, from at[j] on: fn(row, i0, i1)
+  // for each position j, its keys below `stop` not yet done, i0 .. i1 - 1 of its list: fn(j, i0, i1)
   auto each_run = [&](int64_t stop, auto&& fn) {
     for (int j = 0; j < npos; ++j) {
       const RowAttn& r = rows[j];
