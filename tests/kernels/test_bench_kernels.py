@@ -17,7 +17,7 @@ from verispec.bench.presets import kernels as preset
 def test_bench_kernels_reports_its_sections(capsys):
     threads = torch.get_num_threads()
     try:
-        assert preset.main(["--model", "smollm2-135m-instruct", "--repeats", "1", "--sections", "shapes,paths,model,calls"]) == 0
+        assert preset.main(["--model", "smollm2-135m-instruct", "--repeats", "1", "--sections", "shapes,paths,model,calls,attention"]) == 0
     finally:
         torch.set_num_threads(threads)  # the preset sets its own
     out = capsys.readouterr().out
@@ -35,6 +35,12 @@ def test_bench_kernels_reports_its_sections(capsys):
     path = result["prefill_path"]
     assert isinstance(path["dense_copies"], bool) and f"prefill path: {path['text']}" in out
     assert "kernels_s" not in path or (path["kernels_s"] > 0 and path["bf16_gemm_s"] > 0)
+    att = result["attention"]
+    assert [(r["cached"] + r["positions"], r["positions"]) for r in att] == list(preset.ATTENTION_SHAPES)
+    paths = {"default"} | {i for i in kernels.supported_isas() if i != "scalar"}
+    assert all(set(r["ms"]) == paths and all(lo <= med <= hi for med, lo, hi in r["ms"].values()) and r["model_ms"] > 0
+               for r in att)
+    assert "attention, one layer" in out
     calls = result["calls"]
     assert set(calls) == {"T=1", "T=9"}
     assert all(c["one_call_ms"] > 0 and c["python_ms"] > 0 and c["ratio"][1] <= c["ratio"][0] <= c["ratio"][2]

@@ -22,6 +22,10 @@ Sections:
 * ``calls``: a decode step and a 9-position pass with each decoder layer in one native call
   (the default, ``csrc/layer.cpp``) against the Python layer making the same kernel calls one by
   one (``Decoder.native_layers = False``): what the Python around the kernels costs.
+* ``attention``: one layer's attention (the model's heads and head dim, float32) on every SIMD
+  path, for T positions after S - T cached entries with causal rows (``ATTENTION_SHAPES``: decode
+  steps and 9-position passes at 512 and 2,048 cached tokens, a 700-token prompt):
+  milliseconds per call, and the whole model's share (times its layers) on the default path.
 * ``llama``: the same GGUF file through llama.cpp (the ``llama-cpp-python`` package, if it is
   installed; the section says so and is skipped if not), with the same threads, interleaved
   with verispec: a decode step, a 9-position pass, a 700-token prefill, and greedy generation
@@ -346,6 +350,34 @@ def _fmt(r: tuple[float, float, float]) -> str:
 
 
 PATH_ROWS = (1, 9)
+ATTENTION_SHAPES = ((512, 1), (512, 9), (2048, 1), (2048, 9), (700, 700))  # (S, T)
+
+
+def bench_attention(config, repeats: int) -> list[dict]:
+    """One layer's attention on every SIMD path and the default one, at ``ATTENTION_SHAPES``,
+    interleaved: ms per call (median, min-max), and the model's layers' worth on the default
+    path."""
+    isas = [i for i in kernels.supported_isas() if i != "scalar"]
+    h, hkv, d, layers = config.num_heads, config.num_kv_heads, config.head_dim, config.num_layers
+    gen = torch.Generator().manual_seed(0)
+    configs, turn = {}, iter(range(10**9))
+    for s, t in ATTENTION_SHAPES:
+        q = torch.randn(1, h, t, d, generator=gen)
+        # a cache per layer, and each call reads the next one, so keys and values come from
+        # memory as in a pass through the model, not from the cache the previous call left warm
+        kv = [(torch.randn(1, hkv, s, d, generator=gen), torch.randn(1, hkv, s, d, generator=gen)) for _ in range(layers)]
+        mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)[None]  # position i attends to 0 .. s - t + i
+        for isa in [None, *isas]:
+            configs[(s, t, isa)] = lambda q=q, kv=kv, mask=mask, isa=isa: kernels.attention(
+                q, *kv[next(turn) % len(kv)], mask, d**-0.5, isa)
+    times = interleaved({f"{s} {t} {isa}": fn for (s, t, isa), fn in configs.items()}, repeats)
+    out = []
+    for s, t in ATTENTION_SHAPES:
+        ms = {str(isa or "default"): [statistics.median(times[f"{s} {t} {isa}"]) * 1e3,
+                                      min(times[f"{s} {t} {isa}"]) * 1e3, max(times[f"{s} {t} {isa}"]) * 1e3]
+              for isa in [None, *isas]}
+        out.append({"cached": s - t, "positions": t, "ms": ms, "model_ms": ms["default"][0] * config.num_layers})
+    return out
 
 
 def bench_paths(model, repeats: int) -> list[dict]:
@@ -379,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a bundled model or GGUF file")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--sections", default="bandwidth,shapes,paths,model,calls,llama", help="comma-separated subset")
+    p.add_argument("--sections", default="bandwidth,shapes,paths,model,calls,attention,llama", help="comma-separated subset")
     args = p.parse_args(argv)
     from verispec.models.loader import load_model
     from verispec.models.native import is_native
@@ -428,6 +460,17 @@ def main(argv: list[str] | None = None) -> int:
         print("\ndecoder layers in one native call each / the Python layers (the same kernel calls): "
               + "; ".join(f"{t}: {r['one_call_ms']:.1f} against {r['python_ms']:.1f} ms, {_fmt(r['ratio'])}"
                           for t, r in c.items()))
+    if "attention" in sections:
+        att = bench_attention(loaded.model.config, args.repeats)
+        result["attention"] = att
+        keys = list(att[0]["ms"]) if att else []
+        print(f"\nattention, one layer ({loaded.model.config.num_heads} heads, {loaded.model.config.num_kv_heads} KV heads, "
+              f"head dim {loaded.model.config.head_dim}): ms per call on each path, median (min-max):")
+        print("| cached | positions | " + " | ".join(keys) + f" | x {loaded.model.config.num_layers} layers |")
+        print("|---" * (3 + len(keys)) + "|")
+        for r in att:
+            print(f"| {r['cached']} | {r['positions']} | " + " | ".join(
+                f"{r['ms'][k][0]:.3f} ({r['ms'][k][1]:.3f}-{r['ms'][k][2]:.3f})" for k in keys) + f" | {r['model_ms']:.1f} |")
     if "llama" in sections:
         from verispec.models.registry import fetch
 
