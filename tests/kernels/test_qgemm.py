@@ -333,6 +333,15 @@ def test_attention_passes_of_many_positions_give_the_scalar_bits():
 
 
 @needs_kernels
+def test_attention_without_rows_is_empty():
+    k, v = torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32)
+    for isa in kernels.supported_isas():
+        assert kernels.attention(torch.randn(1, 4, 0, 32), k, v, torch.ones(1, 0, 5, dtype=torch.bool), 1.0, isa).shape == (1, 4, 0, 32)
+        got = kernels.attention(torch.randn(0, 4, 3, 32), k[:0], v[:0], torch.ones(0, 3, 5, dtype=torch.bool), 1.0, isa)
+        assert got.shape == (0, 4, 3, 32)
+
+
+@needs_kernels
 def test_attention_bad_input_is_a_clear_error():
     q = torch.randn(1, 2, 1, 24)
     with pytest.raises(RuntimeError, match="multiple of 16"):

@@ -122,6 +122,7 @@ torch::Tensor attention_out(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
   const float* pv = v.data_ptr<float>();
   const bool* pm = mask.data_ptr<bool>();
   float* po = out.data_ptr<float>();
+  if (out.numel() == 0) return out;  // no rows (B, H or T is 0)
   const int64_t group = h / hkv;
   const float sc = (float)scale;
   // One unit: the query heads (up to kMaxHeads) of one KV head at up to kMaxPositions
