@@ -245,6 +245,14 @@ def _reference_attention(q, k, v, mask, scale):
     return (torch.softmax(scores, dim=-1) @ v).float()
 
 
+def _every_path_gives(want, attend, case):
+    """attend(isa) on every ISA path and on 1 and 2 threads equals want bit for bit."""
+    for isa in kernels.supported_isas():
+        for threads in (1, 2):
+            got = with_threads(threads, lambda: attend(isa))
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (*case, isa, threads)
+
+
 @needs_kernels
 def test_attention_rows_depend_only_on_their_own_keys():
     """A row's bits do not change with the rows beside it, with the number of cache entries the
@@ -298,10 +306,7 @@ def test_attention_paths_give_the_scalar_bits():
         mask[0, 0] = False
         want = kernels.attention(q, k, v, mask, d**-0.5, "scalar")
         assert torch.equal(want[0, :, 0], torch.zeros(h, d))
-        for isa in kernels.supported_isas():
-            for threads in (1, 2):
-                got = with_threads(threads, lambda: kernels.attention(q, k, v, mask, d**-0.5, isa))
-                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (d, s, h, isa, threads)
+        _every_path_gives(want, lambda isa: kernels.attention(q, k, v, mask, d**-0.5, isa), (d, s, h))
 
 
 @needs_kernels
@@ -326,10 +331,7 @@ def test_attention_passes_of_many_positions_give_the_scalar_bits():
         assert torch.equal(want[0, :, t // 2], torch.zeros(h, d))
         ref = _reference_attention(q, k, v, mask, d**-0.5).nan_to_num()  # the row with no keys: 0
         assert ((want - ref).norm() / ref.norm()).item() < 1e-5
-        for isa in kernels.supported_isas():
-            for threads in (1, 2):
-                got = with_threads(threads, lambda: kernels.attention(q, k, v, mask, d**-0.5, isa))
-                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (b, h, t, isa, threads)
+        _every_path_gives(want, lambda isa: kernels.attention(q, k, v, mask, d**-0.5, isa), (b, h, t))
 
 
 @needs_kernels
