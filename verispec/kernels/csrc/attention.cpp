@@ -143,9 +143,8 @@ torch::Tensor attention_out(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
     chunk_range(units, nchunks, chunk, &u0, &u1);
     thread_local std::vector<int64_t> idx;
     thread_local std::vector<float> p, acc;
-    const int64_t most = per_span;
-    if ((int64_t)idx.size() < most * s) idx.resize((size_t)(most * s));
-    if ((int64_t)p.size() < most * kMaxHeads * ps) p.resize((size_t)(most * kMaxHeads * ps));
+    if ((int64_t)idx.size() < per_span * s) idx.resize((size_t)(per_span * s));
+    if ((int64_t)p.size() < per_span * kMaxHeads * ps) p.resize((size_t)(per_span * kMaxHeads * ps));
     if ((int64_t)acc.size() < d) acc.resize((size_t)d);
     RowAttn rows[kMaxPositions];
     for (int64_t u = u0; u < u1; ++u) {

@@ -52,8 +52,8 @@ struct Ymm2 {
   // lane l = lane_tree(a[l]), 16 trees at once: w = 8 adds each input's upper ymm onto its
   // lower one; then w = 4, 2, 1 on eight partials at a time, the halves of two partials gathered
   // into one register by a shuffle, as in attention_avx512.cpp's trees16 (each lane gets
-  // lane[l] += lane[l + w]). Step 1 leaves input (2v + u)'s tree in lane 4u + v (u < 2), so the
-  // inputs are read in the order that puts key l's tree in lane l.
+  // lane[l] += lane[l + w]). The last step leaves input (2v + u)'s tree in lane 4u + v (u < 2), so
+  // the inputs are read in the order that puts key l's tree in lane l.
   static __m256 trees8(const F* a) {
     __m256 x[8], y[4], z[2];
     for (int i = 0; i < 8; ++i) {

@@ -32,7 +32,7 @@ struct Zmm {
   static F add_first(F lane, F e, int valid) {
     return _mm512_mask_add_ps(lane, (__mmask16)((1u << valid) - 1), lane, e);
   }
-  // cnt < 16: only the first cnt lanes
+  // only the first cnt lanes (cnt <= 16)
   static void store_first(float* p, F x, int cnt) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << cnt) - 1), x); }
   // lane l = lane_tree(a[l]), 16 trees at once: at each step w = 8, 4, 2, 1 every partial sum
   // gets lane[l] += lane[l + w] as in lane_tree, with the halves of two partials gathered into
