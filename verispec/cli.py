@@ -65,6 +65,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    "none. The draft's is set by the speculative config's 'quantization'")
     g.add_argument("--quantization-group-size", type=int, default=32, choices=(32, 64, 128),
                    help="int4 group size (default 32)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "float16"),
+                   help="the KV cache's dtype: auto (default) is float16 for a model on the native CPU "
+                   "kernels with float32 activations, else the model's dtype")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile the target's decode/verify steps (default off: on CPUs "
                    "without native bf16 it is slower and each shape bucket compiles for tens of seconds)")
@@ -119,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     set_threads(args.threads)
 
     target = load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                        group_size=args.quantization_group_size)
+                        group_size=args.quantization_group_size, kv_cache_dtype=args.kv_cache_dtype)
     if args.compile:
         compile_decoder(target.model)
     use_chat = target.tokenizer.has_chat_template if args.chat is None else args.chat
@@ -281,6 +284,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "process (default: stay up, answer 503 and report it on /health)")
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     s.add_argument("--dtype", default="auto", help="auto, bfloat16, float32 or float16 (default auto)")
+    s.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "float16"),
+                   help="the KV cache's dtype: auto (default) is float16 for a model on the native CPU "
+                   "kernels with float32 activations, else the model's dtype")
     s.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; with --replicas, per replica: "
                    "--replica-cpus)")
@@ -341,7 +347,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
           max_model_len=args.max_model_len, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
           request_timeout_s=args.request_timeout or None, exit_on_fatal=args.exit_on_fatal,
-          prefix_caching=args.enable_prefix_caching)
+          prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
     return 0
 
 
@@ -350,6 +356,8 @@ def _serve_replicated(args: argparse.Namespace, spec: SpeculativeConfig | None, 
     if args.exit_on_fatal:
         raise ValueError("--exit-on-fatal is for a single server: with --replicas, Serve replaces a "
                          "replica whose engine died")
+    if args.kv_cache_dtype != "auto":
+        raise ValueError("--kv-cache-dtype is not passed to replicas yet: leave it at auto with --replicas")
     try:
         from verispec.server import ray_serve
     except ImportError as e:

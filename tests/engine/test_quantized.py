@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 from distribution import PROMPT as DIST_PROMPT
 from distribution import SETTINGS, exact_joint, goodness_of_fit, passes, sample_counts, target_and_draft
@@ -35,16 +36,25 @@ def run(target_model, prompt, params, drafter=None, k=0):
     return Engine(loaded(target_model), spec, max_model_len=512, drafter=drafter).generate(prompt, params)
 
 
-@pytest.fixture(scope="module", params=[(s, d, n) for n in (False, True) for s in ("int8", "int4") for d in (False, True)],
-                ids=[f"{s}{'-dense-prefill' if d else ''}-{'native' if n else 'torch'}"
-                     for n in (False, True) for s in ("int8", "int4") for d in (False, True)])
+TARGETS = [(s, d, n, False) for n in (False, True) for s in ("int8", "int4") for d in (False, True)]
+TARGETS += [("int4", d, True, True) for d in (False, True)]
+
+
+@pytest.fixture(scope="module", params=TARGETS,
+                ids=[f"{s}{'-dense-prefill' if d else ''}-{'native' if n else 'torch'}{'-float16-cache' if h else ''}"
+                     for s, d, n, h in TARGETS])
 def quantized_target(request, target):
     """With and without the dense bf16 copies that a long prompt's prefill multiplies by, on
-    PyTorch's kernels and on the native ones."""
-    scheme, dense, native = request.param
+    PyTorch's kernels and on the native ones, and on the native ones with a float16 KV cache
+    (what the loader gives a native model)."""
+    scheme, dense, native, half = request.param
     if native and not kernels.available():
         pytest.skip("native kernels unavailable (no compiler)")
-    return quantize_(copy.deepcopy(target), scheme, dense_prefill=dense, native=native)
+    model = quantize_(copy.deepcopy(target), scheme, dense_prefill=dense, native=native)
+    if half:
+        model.kv_cache_dtype = torch.float16
+        assert model.new_cache(4).k[0].dtype == torch.float16
+    return model
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["short", "long"])
@@ -67,9 +77,14 @@ def test_quantized_draft_keeps_the_target_output(target, draft):
 
 
 @pytest.mark.long
-def test_sampling_over_an_int4_target_matches_its_plain_distribution():
+@pytest.mark.parametrize("half", [False, True], ids=["float32-cache", "float16-cache"])
+def test_sampling_over_an_int4_target_matches_its_plain_distribution(half):
     target, draft = target_and_draft()
     quantize_(target, "int4")
+    if half:  # the native model's cache; the exact joint is computed over the same cache
+        if not kernels.available():
+            pytest.skip("native kernels unavailable (no compiler)")
+        target.kv_cache_dtype = torch.float16
     params = SETTINGS["temperature=1.0"]
     drafter_engine = Engine(loaded(target), SpeculativeConfig(method="draft_model", num_speculative_tokens=2, adaptive=False),
                             max_model_len=64, drafter=make_drafter("draft_model", draft, 64))

@@ -37,10 +37,10 @@ def test_bench_kernels_reports_its_sections(capsys):
     assert "kernels_s" not in path or (path["kernels_s"] > 0 and path["bf16_gemm_s"] > 0)
     att = result["attention"]
     assert [(r["cached"] + r["positions"], r["positions"]) for r in att] == list(preset.ATTENTION_SHAPES)
-    paths = {"default"} | {i for i in kernels.supported_isas() if i != "scalar"}
+    paths = {"default", preset.HALF_CACHE} | {i for i in kernels.supported_isas() if i != "scalar"}
     assert all(set(r["ms"]) == paths and all(lo <= med <= hi for med, lo, hi in r["ms"].values()) and r["model_ms"] > 0
                for r in att)
-    assert "attention, one layer" in out
+    assert "attention, one layer" in out and "(float16 cache) |" in out  # the native model's cache
     calls = result["calls"]
     assert set(calls) == {"T=1", "T=9"}
     assert all(c["one_call_ms"] > 0 and c["python_ms"] > 0 and c["ratio"][1] <= c["ratio"][0] <= c["ratio"][2]

@@ -335,6 +335,29 @@ def test_attention_passes_of_many_positions_give_the_scalar_bits():
 
 
 @needs_kernels
+def test_attention_over_a_float16_cache_is_the_float32_one_on_its_values():
+    """A float16 cache is read as its exact floats: every path gives the bits that the scalar
+    definition gives over a float32 cache holding the same values (decode, verify and prefill
+    shapes, a tree row, half's extremes and subnormals among the values)."""
+    gen = torch.Generator().manual_seed(13)
+    for b, h, hkv, t, n0, d in ((1, 12, 2, 1, 300, 128), (1, 12, 2, 9, 200, 128), (2, 4, 1, 23, 130, 32)):
+        s = n0 + t
+        q = torch.randn(b, h, t, d, generator=gen)
+        k = (torch.randn(b, hkv, s, d, generator=gen) * 4).half()
+        v = torch.randn(b, hkv, s, d, generator=gen).half()
+        k[0, 0, 0, :3] = torch.tensor([65504.0, -6e-8, 1e-5]).half()  # half's largest, a subnormal
+        v[0, 0, 1, :2] = torch.tensor([-65504.0, 3e-6]).half()
+        mask = torch.zeros(b, t, s, dtype=torch.bool)
+        for i in range(t):
+            mask[:, i, : n0 + i + 1] = True
+        mask[-1, t - 1, n0:] = False
+        mask[-1, t - 1, [n0, n0 + t - 1]] = True
+        want = kernels.attention(q, k.float(), v.float(), mask, d**-0.5, "scalar")
+        assert torch.equal(kernels.attention(q, k, v, mask, d**-0.5, "scalar").view(torch.int32), want.view(torch.int32))
+        _every_path_gives(want, lambda isa: kernels.attention(q, k, v, mask, d**-0.5, isa), (b, h, t, "float16"))
+
+
+@needs_kernels
 def test_attention_without_rows_is_empty():
     k, v = torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32)
     for isa in kernels.supported_isas():
@@ -349,6 +372,11 @@ def test_attention_bad_input_is_a_clear_error():
     with pytest.raises(RuntimeError, match="multiple of 16"):
         kernels.attention(q, torch.randn(1, 1, 4, 24), torch.randn(1, 1, 4, 24), torch.ones(1, 1, 4, dtype=torch.bool), 1.0)
     q = torch.randn(1, 2, 1, 16)
+    with pytest.raises(RuntimeError, match="k and v must both be float32 or both float16"):
+        kernels.attention(q, torch.randn(1, 1, 4, 16).half(), torch.randn(1, 1, 4, 16), torch.ones(1, 1, 4, dtype=torch.bool), 1.0)
+    with pytest.raises(RuntimeError, match="k and v must both be float32 or both float16"):
+        kernels.attention(q, torch.randn(1, 1, 4, 16).bfloat16(), torch.randn(1, 1, 4, 16).bfloat16(),
+                          torch.ones(1, 1, 4, dtype=torch.bool), 1.0)
     with pytest.raises(kernels.KernelError, match="this CPU runs the kernel paths"):
         kernels.attention(q, torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16), torch.ones(1, 1, 4, dtype=torch.bool), 1.0,
                           "sse9")

@@ -145,6 +145,16 @@ def test_auto_dtype_is_bfloat16_on_cpu(tmp_path: Path) -> None:
     assert load_model(tmp_path / "m", dtype=torch.float32, progress=False).model.dtype == torch.float32
 
 
+def test_kv_cache_dtype(tmp_path: Path) -> None:
+    """A dense model's cache is in its own dtype unless asked; a bad choice fails before loading."""
+    _tiny_hf(tmp_path / "m")
+    assert load_model(tmp_path / "m", progress=False).model.new_cache(4).k[0].dtype == torch.bfloat16
+    half = load_model(tmp_path / "m", dtype="float32", kv_cache_dtype="float16", progress=False).model
+    assert half.new_cache(4).k[0].dtype == torch.float16
+    with pytest.raises(ModelLoadError, match="kv_cache_dtype must be one of auto, float32, float16, got 'int8'"):
+        load_model(tmp_path / "missing", kv_cache_dtype="int8", progress=False)
+
+
 def test_tokenizer_wrapper(tmp_path: Path) -> None:
     _tiny_hf(tmp_path / "m")
     (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4]}))

@@ -54,10 +54,14 @@ def passes(model, one_call: bool):
     return out, entries
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_one_call_layers_give_the_python_layers_bits(scheme):
+@pytest.mark.parametrize("scheme,kv_dtype", [("int8", torch.float32), ("int4", torch.float32), ("int4", torch.float16)])
+def test_one_call_layers_give_the_python_layers_bits(scheme, kv_dtype):
+    """Also over a float16 cache (a native model's default): the one-call layer rounds the
+    entries it writes as the Python layer's cache assignment does."""
     model = native_model(scheme)
+    model.kv_cache_dtype = kv_dtype
     one, one_cache = passes(model, True)
+    assert one_cache[0].dtype == kv_dtype
     assert decoder_module._NATIVE_LAYERS[model][1] is not None  # the passes ran the one-call layers
     python, python_cache = passes(model, False)
     assert len(one) == len(python) == 9

@@ -274,7 +274,9 @@ def matmul(x: Tensor, weights: list[PackedWeight], isa: str | None = None, *, bi
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, isa: str | None = None) -> Tensor:
     """Attention of ``q [B, H, T, D]`` over ``k, v [B, Hkv, S, D]`` where ``mask [B, T, S]``
-    (bool) is True, all float32: ``[B, H, T, D]``. Each row reduces over its own attended keys in
+    (bool) is True: ``[B, H, T, D]``, float32. ``q`` is float32, ``k`` and ``v`` both float32 or
+    both float16 (a float16 cache: each element read as its exact float, so the result equals the
+    float32 one on the same values). Each row reduces over its own attended keys in
     cache order, in fixed float32 steps (``csrc/attention.cpp``), so its bits depend only on the
     row, its keys and its values: not on the rows beside it, on S, on the thread count or on the
     ISA path. ``isa`` forces a path as in :func:`matmul` (``avx512`` and ``amx`` run the AVX512

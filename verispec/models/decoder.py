@@ -366,10 +366,13 @@ class DecoderLayer(nn.Module):
         q, k, v = steps.attention_inputs(self, x, cos, sin, prefill)
         cache.write(layer, slots, k, v)
         keys, values = cache.view(layer, slots, attend_len)  # [B, Hkv, S, D]
-        if native_attention(q):
+        if native_attention(q):  # reads a float16 cache as it is
             rows = mask.attend if isinstance(mask, RowKeys) else mask[:, 0]
             attn = kernels.attention(q, keys, values, rows, self.head_dim**-0.5)
-        elif isinstance(mask, RowKeys):
+            return steps.output(self, x, attn.transpose(1, 2).reshape(b, t, -1), prefill)
+        if keys.dtype != q.dtype:  # a cache kept in another dtype (Decoder.kv_cache_dtype)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if isinstance(mask, RowKeys):
             attn = row_attention(q, keys, values, mask)  # [B, H, T, D]
         elif prefill and _upcast(x):
             attn = grouped_attention(q.float(), keys.float(), values.float(), mask).to(x.dtype)
@@ -439,6 +442,12 @@ class Decoder(nn.Module):
     # tests and benchmarks compare by setting this False on a model).
     native_layers = True
 
+    # The KV cache's dtype (None: the model's). A native float32 model on the CPU keeps float16
+    # (:func:`verispec.models.native.float_activations_`): a decode step's attention reads every
+    # cached key and value once and is bound by their bytes, and each entry is rounded once, as
+    # it is written, so every pass reads the same values and rows stay invariant.
+    kv_cache_dtype: torch.dtype | None = None
+
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.config = config
@@ -494,7 +503,7 @@ class Decoder(nn.Module):
         c = self.config
         return KVCache(
             c.num_layers, num_slots, c.num_kv_heads, c.head_dim, max_len,
-            dtype=self.dtype, device=self.device, block=block,
+            dtype=self.kv_cache_dtype or self.dtype, device=self.device, block=block,
         )
 
     @torch.inference_mode()

@@ -170,6 +170,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 # ---------------------------------------------------------------------------------------------
 
 
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16}
+
+
 def load_model(
     spec: str | Path,
     *,
@@ -178,6 +181,7 @@ def load_model(
     progress: bool = True,
     quantization: str = "auto",
     group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
     """Load a bundled model name, a Hugging Face model directory or a ``.gguf`` file.
 
@@ -187,11 +191,16 @@ def load_model(
     ``auto`` runs a GGUF file's own quantized weights on the native CPU kernels where they are
     available (``gguf``, see :mod:`verispec.models.native`; with ``dtype="auto"`` its
     activations are then float32) and loads anything else dense (``none``); ``int8`` or ``int4`` (with ``group_size``) pack the linear layers after loading,
-    see :func:`verispec.models.quant.quantize_`.
+    see :func:`verispec.models.quant.quantize_`. ``kv_cache_dtype``: ``auto`` keeps the KV cache
+    in float16 for a native model with float32 activations (the default on CPU, see
+    :func:`~verispec.models.native.float_activations_`) and in the model's dtype otherwise;
+    ``float32`` or ``float16`` set it.
     """
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     check_scheme(quantization, group_size)
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ModelLoadError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     if quantization not in ("none", "auto") and dev.type != "cpu":
         raise ModelLoadError(f"quantization {quantization!r} runs on the CPU only; use quantization='none' on {dev}")
     loaded, gguf_path = _load(spec, dev, torch_dtype, progress)
@@ -214,6 +223,8 @@ def load_model(
 
         if is_native(loaded.model):  # as for a GGUF model on the kernels
             float_activations_(loaded.model)
+    if kv_cache_dtype != "auto":
+        loaded.model.kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
     return loaded
 
 

@@ -241,8 +241,9 @@ def dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def float_activations_(model: nn.Module) -> None:
-    """Run a native model's activations (norms, attention, the KV cache, the embedding table) in
-    float32; the native layers' packed weights and dense bf16 prefill copies stay as they are.
+    """Run a native model's activations (norms, attention, the embedding table) in float32, with
+    its KV cache in float16 (``Decoder.kv_cache_dtype``, where the native attention kernel runs);
+    the native layers' packed weights and dense bf16 prefill copies stay as they are.
 
     The loader's default for a native model on CPU. The kernels read float32 activations as they
     read bf16 ones (both are quantized per row), so float32 costs no weight bandwidth, and it
@@ -256,6 +257,11 @@ def float_activations_(model: nn.Module) -> None:
     model.float()
     for m, d in zip(natives, dense):
         m.dense = d
+    if hasattr(model, "kv_cache_dtype") and kernels.available():
+        # The KV cache in float16, read by the native attention kernel as its exact floats: a
+        # decode step's attention is bound by the cache's bytes (1.5B model, 2,048 cached
+        # tokens, one layer on the AMX Xeon: 0.24 -> 0.12 ms), and half the memory per token.
+        model.kv_cache_dtype = torch.float16
 
 
 def native_layer(qkv: nn.Module, o_proj: nn.Module, gate_up: nn.Module, down: nn.Module, input_norm: nn.Module,

@@ -71,7 +71,8 @@ class BackgroundServer:
 def serve(model: str, spec: SpeculativeConfig | None, *, host: str, port: int, api_key: str | None,
           served_model_name: str | None, max_num_seqs: int, max_model_len: int, max_queue: int,
           device: str, dtype: str, request_timeout_s: float | None = 600.0, exit_on_fatal: bool = False,
-          max_request_bytes: int = MAX_REQUEST_BYTES, prefix_caching: bool | None = None) -> None:
+          max_request_bytes: int = MAX_REQUEST_BYTES, prefix_caching: bool | None = None,
+          kv_cache_dtype: str = "auto") -> None:
     """Run the server until it is stopped. With ``exit_on_fatal``, a dead engine thread stops
     the server (gracefully, as SIGTERM would) and the process exits with status 1."""
     from verispec.engine.engine import Engine
@@ -79,7 +80,7 @@ def serve(model: str, spec: SpeculativeConfig | None, *, host: str, port: int, a
     from verispec.server.app import build_app
 
     warn_if_exposed(host, api_key)
-    target = load_model(model, device=device, dtype=dtype)
+    target = load_model(model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     engine = Engine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                     prefix_caching=prefix_caching)
     server: GracefulServer | None = None

@@ -221,6 +221,7 @@ def make_draft_model_drafter(config: SpeculativeConfig, context: DrafterContext)
     target = context.target
     draft = load_model(config.model, device=target.model.device, dtype=target.model.dtype,
                        quantization=config.quantization)
+    draft.model.kv_cache_dtype = target.model.kv_cache_dtype  # its cache kept as the target's
     return draft_model_drafter(draft, config, context)
 
 

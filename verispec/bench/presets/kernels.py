@@ -22,10 +22,11 @@ Sections:
 * ``calls``: a decode step and a 9-position pass with each decoder layer in one native call
   (the default, ``csrc/layer.cpp``) against the Python layer making the same kernel calls one by
   one (``Decoder.native_layers = False``): what the Python around the kernels costs.
-* ``attention``: one layer's attention (the model's heads and head dim, float32) on every SIMD
-  path, for T positions after S - T cached entries with causal rows (``ATTENTION_SHAPES``: decode
-  steps and 9-position passes at 512 and 2,048 cached tokens, a 700-token prompt):
-  milliseconds per call, and the whole model's share (times its layers) on the default path.
+* ``attention``: one layer's attention (the model's heads and head dim) on every SIMD path over a
+  float32 cache and on the default path over a float16 one, for T positions after S - T cached
+  entries with causal rows (``ATTENTION_SHAPES``: decode steps and 9-position passes at 512 and
+  2,048 cached tokens, a 700-token prompt): milliseconds per call, and the whole model's share
+  (times its layers) on the default path over the model's cache dtype.
 * ``llama``: the same GGUF file through llama.cpp (the ``llama-cpp-python`` package, if it is
   installed; the section says so and is skipped if not), with the same threads, interleaved
   with verispec: a decode step, a 9-position pass, a 700-token prefill, and greedy generation
@@ -353,10 +354,14 @@ PATH_ROWS = (1, 9)
 ATTENTION_SHAPES = ((512, 1), (512, 9), (2048, 1), (2048, 9), (700, 700))  # (S, T)
 
 
-def bench_attention(config, repeats: int) -> list[dict]:
-    """One layer's attention on every SIMD path and the default one, at ``ATTENTION_SHAPES``,
+HALF_CACHE = "default, float16 cache"
+
+
+def bench_attention(config, repeats: int, cache_dtype: torch.dtype = torch.float32) -> list[dict]:
+    """One layer's attention on every SIMD path and the default one over a float32 cache, and on
+    the default path over a float16 copy of it (``HALF_CACHE``), at ``ATTENTION_SHAPES``,
     interleaved: ms per call (median, min-max), and the model's layers' worth on the default
-    path."""
+    path over a ``cache_dtype`` cache (the model's)."""
     isas = [i for i in kernels.supported_isas() if i != "scalar"]
     h, hkv, d, layers = config.num_heads, config.num_kv_heads, config.head_dim, config.num_layers
     gen = torch.Generator().manual_seed(0)
@@ -366,17 +371,21 @@ def bench_attention(config, repeats: int) -> list[dict]:
         # a cache per layer, and each call reads the next one, so keys and values come from
         # memory as in a pass through the model, not from the cache the previous call left warm
         kv = [(torch.randn(1, hkv, s, d, generator=gen), torch.randn(1, hkv, s, d, generator=gen)) for _ in range(layers)]
+        half = [(k.half(), v.half()) for k, v in kv]
         mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)[None]  # position i attends to 0 .. s - t + i
         for isa in [None, *isas]:
-            configs[(s, t, isa)] = lambda q=q, kv=kv, mask=mask, isa=isa: kernels.attention(
+            configs[(s, t, str(isa or "default"))] = lambda q=q, kv=kv, mask=mask, isa=isa: kernels.attention(
                 q, *kv[next(turn) % len(kv)], mask, d**-0.5, isa)
-    times = interleaved({f"{s} {t} {isa}": fn for (s, t, isa), fn in configs.items()}, repeats)
+        configs[(s, t, HALF_CACHE)] = lambda q=q, half=half, mask=mask: kernels.attention(
+            q, *half[next(turn) % len(half)], mask, d**-0.5)
+    times = interleaved({f"{s} {t} {name}": fn for (s, t, name), fn in configs.items()}, repeats)
     out = []
+    model_path = HALF_CACHE if cache_dtype == torch.float16 else "default"
     for s, t in ATTENTION_SHAPES:
-        ms = {str(isa or "default"): [statistics.median(times[f"{s} {t} {isa}"]) * 1e3,
-                                      min(times[f"{s} {t} {isa}"]) * 1e3, max(times[f"{s} {t} {isa}"]) * 1e3]
-              for isa in [None, *isas]}
-        out.append({"cached": s - t, "positions": t, "ms": ms, "model_ms": ms["default"][0] * config.num_layers})
+        ms = {name: [statistics.median(times[f"{s} {t} {name}"]) * 1e3,
+                     min(times[f"{s} {t} {name}"]) * 1e3, max(times[f"{s} {t} {name}"]) * 1e3]
+              for name in ["default", *isas, HALF_CACHE]}
+        out.append({"cached": s - t, "positions": t, "ms": ms, "model_ms": ms[model_path][0] * config.num_layers})
     return out
 
 
@@ -461,12 +470,14 @@ def main(argv: list[str] | None = None) -> int:
               + "; ".join(f"{t}: {r['one_call_ms']:.1f} against {r['python_ms']:.1f} ms, {_fmt(r['ratio'])}"
                           for t, r in c.items()))
     if "attention" in sections:
-        att = bench_attention(loaded.model.config, args.repeats)
+        cache_dtype = loaded.model.kv_cache_dtype or loaded.model.dtype
+        att = bench_attention(loaded.model.config, args.repeats, cache_dtype)
         result["attention"] = att
         keys = list(att[0]["ms"]) if att else []
         print(f"\nattention, one layer ({loaded.model.config.num_heads} heads, {loaded.model.config.num_kv_heads} KV heads, "
               f"head dim {loaded.model.config.head_dim}): ms per call on each path, median (min-max):")
-        print("| cached | positions | " + " | ".join(keys) + f" | x {loaded.model.config.num_layers} layers |")
+        print("| cached | positions | " + " | ".join(keys) + f" | x {loaded.model.config.num_layers} layers "
+              f"({str(cache_dtype).removeprefix('torch.')} cache) |")
         print("|---" * (3 + len(keys)) + "|")
         for r in att:
             print(f"| {r['cached']} | {r['positions']} | " + " | ".join(

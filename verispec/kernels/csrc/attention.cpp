@@ -49,6 +49,12 @@ inline float lane_tree(float* lane) {
   return lane[0];
 }
 
+// Element j of cache row `row` as a float: a float16 cache's converted exactly.
+inline float element(const RowAttn& r, const void* base, int64_t row, int64_t j) {
+  if (!r.half) return ((const float*)base)[row + j];
+  return static_cast<float>(c10::Half(((const uint16_t*)base)[row + j], c10::Half::from_bits()));
+}
+
 }  // namespace
 
 // The definition (the ISA paths give its bits: attention_simd.h), one head at a time.
@@ -60,10 +66,10 @@ void attend_row_scalar(const RowAttn& r) {
     float* out = r.out + hh * r.os;
     float mx = -INFINITY;
     for (int64_t i = 0; i < n; ++i) {
-      const float* kr = r.kb + r.idx[i] * r.ks;
+      const int64_t kr = r.idx[i] * r.ks;
       float lane[kLanes] = {};
       for (int64_t d0 = 0; d0 < d; d0 += kLanes)
-        for (int l = 0; l < kLanes; ++l) lane[l] = std::fma(q[d0 + l], kr[d0 + l], lane[l]);
+        for (int l = 0; l < kLanes; ++l) lane[l] = std::fma(q[d0 + l], element(r, r.kb, kr, d0 + l), lane[l]);
       p[i] = lane_tree(lane) * r.scale;
       mx = p[i] > mx ? p[i] : mx;
     }
@@ -75,9 +81,9 @@ void attend_row_scalar(const RowAttn& r) {
     const float sum = lane_tree(lane);
     std::fill(r.acc, r.acc + d, 0.0f);
     for (int64_t i = 0; i < n; ++i) {
-      const float* vr = r.vb + r.idx[i] * r.vs;
+      const int64_t vr = r.idx[i] * r.vs;
       const float pi = p[i];
-      for (int64_t j = 0; j < d; ++j) r.acc[j] = std::fma(pi, vr[j], r.acc[j]);
+      for (int64_t j = 0; j < d; ++j) r.acc[j] = std::fma(pi, element(r, r.vb, vr, j), r.acc[j]);
     }
     for (int64_t j = 0; j < d; ++j) out[j] = r.acc[j] / sum;
   }
@@ -87,8 +93,9 @@ void attend_rows_scalar(const RowAttn* rows, int npos) {
   for (int j = 0; j < npos; ++j) attend_row_scalar(rows[j]);
 }
 
-// q [B, H, T, D], k and v [B, Hkv, S, D] (D contiguous), mask [B, T, S] bool (True = attend),
-// all float32: out [B, H, T, D], or [B, T, H, D] when by_position (the rows the output
+// q [B, H, T, D] float32, k and v [B, Hkv, S, D] (D contiguous) float32 or both float16 (a
+// float16 cache: each element read as its exact float, then the same steps), mask [B, T, S]
+// bool (True = attend): out [B, H, T, D], or [B, T, H, D] when by_position (the rows the output
 // projection reads, so the layer need not transpose them: torch's copy of that size took 0.6 ms
 // a call inside the layer, docs/kernels.md). H is a multiple
 // of Hkv (grouped-query heads share KV heads). isa: the row kernel's path (-1: the default one,
@@ -98,8 +105,10 @@ void attend_rows_scalar(const RowAttn* rows, int npos) {
 torch::Tensor attention_out(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale,
                             int64_t isa, bool by_position, const std::vector<int64_t>& slots) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3, "attention takes q, k, v [B, H, T, D] and mask [B, T, S]");
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
-              "attention runs float32");
+  TORCH_CHECK(q.dtype() == torch::kFloat32, "attention runs float32 queries");
+  TORCH_CHECK(k.dtype() == v.dtype() && (k.dtype() == torch::kFloat32 || k.dtype() == torch::kFloat16),
+              "k and v must both be float32 or both float16");
+  const bool half = k.dtype() == torch::kFloat16;
   TORCH_CHECK(mask.dtype() == torch::kBool, "mask must be bool");
   const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
   const int64_t hkv = k.size(1), s = k.size(2);
@@ -118,8 +127,9 @@ torch::Tensor attention_out(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
   mask = mask.contiguous();
   auto out = by_position ? torch::empty({b, t, h, d}, torch::kFloat32) : torch::empty({b, h, t, d}, torch::kFloat32);
   const float* pq = q.data_ptr<float>();
-  const float* pk = k.data_ptr<float>();
-  const float* pv = v.data_ptr<float>();
+  const char* pk = (const char*)k.data_ptr();
+  const char* pv = (const char*)v.data_ptr();
+  const int64_t es = k.element_size();
   const bool* pm = mask.data_ptr<bool>();
   float* po = out.data_ptr<float>();
   if (out.numel() == 0) return out;  // no rows (B, H or T is 0)
@@ -169,9 +179,9 @@ torch::Tensor attention_out(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
           for (int hh = 0; hh < heads; ++hh) std::memset(out0 + hh * os, 0, (size_t)d * sizeof(float));
           continue;
         }
-        rows[npos] = {pq + row0 * d, t * d, heads, pk + sb * k.stride(0) + kv * k.stride(1),
-                      pv + sb * v.stride(0) + kv * v.stride(1), k.stride(2), v.stride(2), ix, n, d, sc,
-                      p.data() + npos * kMaxHeads * ps, ps, acc.data(), out0, os};
+        rows[npos] = {pq + row0 * d, t * d, heads, pk + (sb * k.stride(0) + kv * k.stride(1)) * es,
+                      pv + (sb * v.stride(0) + kv * v.stride(1)) * es, k.stride(2), v.stride(2), ix, n, d, sc,
+                      p.data() + npos * kMaxHeads * ps, ps, acc.data(), out0, os, half};
         ++npos;
       }
       if (npos > 0) rows_fn(rows, npos);

@@ -8,7 +8,8 @@ namespace verispec {
 
 // Query rows of up to kMaxHeads heads that share a KV head and a mask row (grouped-query
 // heads at one position), each against the same attended keys idx[0 .. n-1] (n > 0, cache
-// order): k row i at kb + idx[i] * ks, v row i at vb + idx[i] * vs, d floats each (d % 16 == 0);
+// order): k row i at kb + idx[i] * ks, v row i at vb + idx[i] * vs, d elements each (d % 16 ==
+// 0), float32, or IEEE float16 (uint16_t bits) where half is set, read as their exact floats;
 // head j's query at q + j * qs, its output at out + j * os. p holds kMaxHeads rows of ps floats
 // of scratch (ps at least n rounded up to 16). Each head's row is computed as if alone: sharing
 // the keys only saves their loads.
@@ -17,9 +18,9 @@ struct RowAttn {
   const float* q;
   int64_t qs;
   int heads;
-  const float* kb;
-  const float* vb;
-  int64_t ks, vs;
+  const void* kb;
+  const void* vb;
+  int64_t ks, vs;  // in elements
   const int64_t* idx;
   int64_t n, d;
   float scale;
@@ -28,6 +29,7 @@ struct RowAttn {
   float* acc;  // d floats of scratch (the scalar path)
   float* out;
   int64_t os;
+  bool half;  // k and v hold float16
 };
 
 void attend_row_scalar(const RowAttn& r);

@@ -1,6 +1,6 @@
 // attention.cpp's row kernel with AVX2: the 16 lanes are two ymm, lanes 0-7 and 8-15 (see
 // attention_simd.h).
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #include <cstring>
 
 #include "attention_simd.h"
@@ -17,6 +17,9 @@ struct Ymm2 {
   static F zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
   static F set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
   static F load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static F load_half(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
+  }
   static void store(float* p, F x) { _mm256_storeu_ps(p, x.lo); _mm256_storeu_ps(p + 8, x.hi); }
   static F add(F a, F b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
   static F sub(F a, F b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }

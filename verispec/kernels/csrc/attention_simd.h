@@ -54,19 +54,26 @@ static inline typename V::F exp_lanes(typename V::F x) {
   return V::mul(e, V::pow2(n));
 }
 
+// 16 cache elements as floats: a float32 cache's as they are, a float16 cache's converted
+// (exactly: every half is a float).
+template <class V>
+static inline typename V::F load_kv(const float* p) { return V::load(p); }
+template <class V>
+static inline typename V::F load_kv(const uint16_t* p) { return V::load_half(p); }
+
 // The 16 lanes over d of G heads against KB keys at a time (G * KB independent chains), into
 // raw[g][j0 + j]: the scores before their lane trees.
-template <class V, int G, int KB>
+template <class V, class KT, int G, int KB>
 static inline void lane_sums(const RowAttn& r, int64_t i, typename V::F (*raw)[16], int j0) {
   using F = typename V::F;
-  const float* kr[KB];
-  for (int j = 0; j < KB; ++j) kr[j] = r.kb + r.idx[i + j] * r.ks;
+  const KT* kr[KB];
+  for (int j = 0; j < KB; ++j) kr[j] = (const KT*)r.kb + r.idx[i + j] * r.ks;
   F a[G][KB];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < KB; ++j) a[g][j] = V::zero();
   for (int64_t d0 = 0; d0 < r.d; d0 += 16) {
     F kv[KB];
-    for (int j = 0; j < KB; ++j) kv[j] = V::load(kr[j] + d0);
+    for (int j = 0; j < KB; ++j) kv[j] = load_kv<V>(kr[j] + d0);
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const F qv = V::load(r.q + g * r.qs + d0);
@@ -80,7 +87,7 @@ static inline void lane_sums(const RowAttn& r, int64_t i, typename V::F (*raw)[1
 // The scores of keys i0 .. i1 - 1 of the row's list, times scale, into each head's p: 16 keys'
 // lane sums at a time, then their 16 lane trees at once (V::trees16: the same additions as
 // one tree per key, laid out across registers).
-template <class V, int G>
+template <class V, class KT, int G>
 static void scores_range(const RowAttn& r, int64_t i0, int64_t i1) {
   using F = typename V::F;
   constexpr int KB = V::kScoreAcc / G >= 4 ? 4 : V::kScoreAcc / G >= 1 ? V::kScoreAcc / G : 1;  // keys per chain block
@@ -89,8 +96,8 @@ static void scores_range(const RowAttn& r, int64_t i0, int64_t i1) {
   for (int64_t b = i0; b < i1; b += 16) {
     const int cnt = (int)std::min<int64_t>(16, i1 - b);
     int j = 0;
-    for (; j + KB <= cnt; j += KB) lane_sums<V, G, KB>(r, b + j, raw, j);
-    for (; j < cnt; ++j) lane_sums<V, G, 1>(r, b + j, raw, j);
+    for (; j + KB <= cnt; j += KB) lane_sums<V, KT, G, KB>(r, b + j, raw, j);
+    for (; j < cnt; ++j) lane_sums<V, KT, G, 1>(r, b + j, raw, j);
     for (int g = 0; g < G; ++g) {
       for (int jj = cnt; jj < 16; ++jj) raw[g][jj] = V::zero();
       V::store_first(r.p + g * r.ps + b, V::mul(V::trees16(raw[g]), scale), cnt);
@@ -135,7 +142,7 @@ static void softmax(const RowAttn& r, float* sum) {
 // The keys i0 .. i1 - 1 of the row's list added into out[d0 .. d0 + 16 NC) of G heads, G * NC
 // vectors held in registers; each v vector is loaded once for the G heads. The running sums
 // live in out between calls (first: they start at zero; last: they are divided by the sum).
-template <class V, int G, int NC>
+template <class V, class KT, int G, int NC>
 static inline void values_chunk(const RowAttn& r, int64_t d0, int64_t i0, int64_t i1, bool first, bool last,
                                 const float* sum) {
   using F = typename V::F;
@@ -143,9 +150,9 @@ static inline void values_chunk(const RowAttn& r, int64_t d0, int64_t i0, int64_
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = first ? V::zero() : V::load(r.out + g * r.os + d0 + 16 * c);
   for (int64_t i = i0; i < i1; ++i) {
-    const float* vr = r.vb + r.idx[i] * r.vs + d0;
+    const KT* vr = (const KT*)r.vb + r.idx[i] * r.vs + d0;
     F vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = V::load(vr + 16 * c);
+    for (int c = 0; c < NC; ++c) vv[c] = load_kv<V>(vr + 16 * c);
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const F pi = V::set1(r.p[g * r.ps + i]);
@@ -158,12 +165,12 @@ static inline void values_chunk(const RowAttn& r, int64_t d0, int64_t i0, int64_
   }
 }
 
-template <class V, int G>
+template <class V, class KT, int G>
 static void values_range(const RowAttn& r, int64_t i0, int64_t i1, bool first, bool last, const float* sum) {
   constexpr int NC = V::kAcc / G > 1 ? V::kAcc / G : 1;
   int64_t d0 = 0;
-  for (; d0 + 16 * NC <= r.d; d0 += 16 * NC) values_chunk<V, G, NC>(r, d0, i0, i1, first, last, sum);
-  for (; d0 < r.d; d0 += 16) values_chunk<V, G, 1>(r, d0, i0, i1, first, last, sum);
+  for (; d0 + 16 * NC <= r.d; d0 += 16 * NC) values_chunk<V, KT, G, NC>(r, d0, i0, i1, first, last, sum);
+  for (; d0 < r.d; d0 += 16) values_chunk<V, KT, G, 1>(r, d0, i0, i1, first, last, sum);
 }
 
 // f(std::integral_constant<int, G>()) for G = heads (1 .. V::kMaxG).
@@ -191,8 +198,8 @@ constexpr int64_t kKeyBlock = 64;
 // alone; the work is ordered by blocks of cache entries, so that each key and value vector is
 // read from memory once for all the positions, not once per position (at 2,048 cached tokens a
 // KV head's keys and values are 2 MB, more than a core's second-level cache).
-template <class V>
-static void attend_rows_simd(const RowAttn* rows, int npos) {
+template <class V, class KT>
+static void attend_rows_typed(const RowAttn* rows, int npos) {
   int64_t at[kMaxPositions], end = 0;  // at[j]: position j's first key not yet done
   float sums[kMaxPositions][kMaxHeads];
   for (int j = 0; j < npos; ++j) end = std::max(end, rows[j].idx[rows[j].n - 1] + 1);
@@ -220,7 +227,7 @@ static void attend_rows_simd(const RowAttn* rows, int npos) {
     each_run(s0 + kKeyBlock, [&](int j, int64_t i0, int64_t i1) {
       for (int h0 = 0; h0 < rows[j].heads; h0 += V::kMaxG) {
         const RowAttn part = group(rows[j], h0);
-        with_heads<V>(part.heads, [&](auto g) { scores_range<V, decltype(g)::value>(part, i0, i1); });
+        with_heads<V>(part.heads, [&](auto g) { scores_range<V, KT, decltype(g)::value>(part, i0, i1); });
       }
     });
   for (int j = 0; j < npos; ++j)
@@ -234,10 +241,18 @@ static void attend_rows_simd(const RowAttn* rows, int npos) {
       for (int h0 = 0; h0 < rows[j].heads; h0 += V::kMaxG) {
         const RowAttn part = group(rows[j], h0);
         with_heads<V>(part.heads, [&](auto g) {
-          values_range<V, decltype(g)::value>(part, i0, i1, i0 == 0, i1 == part.n, sums[j] + h0);
+          values_range<V, KT, decltype(g)::value>(part, i0, i1, i0 == 0, i1 == part.n, sums[j] + h0);
         });
       }
     });
+}
+
+template <class V>
+static void attend_rows_simd(const RowAttn* rows, int npos) {
+  if (rows[0].half)
+    attend_rows_typed<V, uint16_t>(rows, npos);
+  else
+    attend_rows_typed<V, float>(rows, npos);
 }
 
 }  // namespace verispec

@@ -53,13 +53,21 @@ void write_cache(torch::Tensor& cache, const torch::Tensor& fresh, const std::ve
   TORCH_CHECK(cache.size(1) == hkv && cache.size(3) == d, "the cache holds [", cache.size(1), " heads, ", cache.size(3),
               " dims] where the layer makes [", hkv, ", ", d, "]");
   const float* src = fresh.data_ptr<float>();
-  float* dst = cache.data_ptr<float>();
+  const bool half = cache.dtype() == torch::kFloat16;
   for (int64_t i = 0; i < b; ++i) {
     TORCH_CHECK(slots[i] >= 0 && slots[i] < cache.size(0) && starts[i] >= 0 && starts[i] + t <= len,
                 "slot ", slots[i], " cannot take ", t, " entries at ", starts[i]);
-    for (int64_t h = 0; h < hkv; ++h)
-      std::memcpy(dst + ((slots[i] * hkv + h) * len + starts[i]) * d, src + ((i * hkv + h) * t) * d,
-                  (size_t)(t * d) * sizeof(float));
+    for (int64_t h = 0; h < hkv; ++h) {
+      const int64_t at = ((slots[i] * hkv + h) * len + starts[i]) * d;
+      const float* from = src + ((i * hkv + h) * t) * d;
+      if (!half) {
+        std::memcpy(cache.data_ptr<float>() + at, from, (size_t)(t * d) * sizeof(float));
+        continue;
+      }
+      // rounded to nearest even, as torch rounds a float32 tensor copied into a float16 one
+      c10::Half* dst = cache.data_ptr<c10::Half>() + at;
+      for (int64_t j = 0; j < t * d; ++j) dst[j] = c10::Half(from[j]);
+    }
   }
 }
 
@@ -87,9 +95,10 @@ class NativeLayer {
     const int64_t b = x.size(0), t = x.size(1), c = x.size(2);
     TORCH_CHECK((int64_t)slots.size() == b && (int64_t)starts.size() == b, "one slot and one start per row");
     for (const torch::Tensor* cache : {&k_cache, &v_cache})
-      TORCH_CHECK(cache->dim() == 4 && cache->dtype() == torch::kFloat32 && cache->is_contiguous() &&
+      TORCH_CHECK(cache->dim() == 4 && cache->dtype() == k_cache.dtype() &&
+                      (cache->dtype() == torch::kFloat32 || cache->dtype() == torch::kFloat16) && cache->is_contiguous() &&
                       cache->size(1) == kv_heads_ && attend_len <= cache->size(2),
-                  "the caches must be contiguous float32 [slots, Hkv, max_len, D]");
+                  "the caches must be contiguous [slots, Hkv, max_len, D], both float32 or both float16");
     const torch::Tensor rows = x.reshape({b * t, c});
     const torch::Tensor qkv = qkv_(rows, false, input_norm_, input_eps_, c10::nullopt);
     const std::vector<torch::Tensor> qkv_heads = qkv_rope(qkv.view({b, t, qkv.size(1)}), cos, sin, heads_, kv_heads_);
