@@ -93,6 +93,25 @@ def test_dense_and_bf16_models_keep_the_python_layers():
     assert bf16 not in decoder_module._NATIVE_LAYERS  # bf16 activations: not asked for at all
 
 
+def test_a_key_past_float16s_range_is_a_clear_error_not_nan():
+    """A float16 cache cannot hold a key of 1e5: the one-call layer and the Python layer's
+    cache write both refuse it, where rounding would have made it infinite and attention NaN; a
+    float32 cache takes it."""
+    model = native_model("int4")
+    c = model.config
+    with torch.no_grad():
+        model.layers[0].qkv.bias[c.num_heads * c.head_dim] = 1e5  # the first key's first element
+    ids, pos = torch.tensor([[1, 2]]), torch.arange(2)[None]
+    model.kv_cache_dtype = torch.float16
+    for one_call, error in ((True, RuntimeError), (False, ValueError)):
+        model.native_layers = one_call
+        with pytest.raises(error, match="does not fit the float16 KV cache; load the model with kv_cache_dtype='float32'"):
+            model(ids, pos, model.new_cache(8))
+    model.native_layers = True
+    model.kv_cache_dtype = torch.float32
+    assert torch.isfinite(model(ids, pos, model.new_cache(8))).all()
+
+
 def test_a_bad_slot_is_a_clear_error():
     model = native_model("int8")
     layer = model._native_layers(torch.zeros(1, 1, model.config.hidden_size))[0]

@@ -25,6 +25,20 @@ import torch
 from torch import Tensor
 
 
+# The smallest float32 magnitude that rounds to infinity in float16 (65504 is its largest).
+HALF_OVERFLOW = 65520.0
+
+
+def _check_fits_half(*tensors: Tensor) -> None:
+    """Raise if a finite value would become an infinity in a float16 cache (and the attention
+    over it NaN); the native one-call layer checks its writes alike."""
+    for t in tensors:
+        big = t.abs().amax()
+        if torch.isfinite(big) and big >= HALF_OVERFLOW:
+            raise ValueError(f"a key or value of magnitude {big.item():g} does not fit the float16 KV cache; "
+                             "load the model with kv_cache_dtype='float32' (--kv-cache-dtype float32)")
+
+
 class KVCache:
     def __init__(
         self,
@@ -77,6 +91,8 @@ class KVCache:
         indices ``lengths[slot] .. lengths[slot] + T``. Lengths are advanced by :meth:`advance`.
         """
         t = k_new.shape[2]
+        if self.k[layer].dtype == torch.float16 and k_new.dtype != torch.float16:
+            _check_fits_half(k_new, v_new)
         for b, s in enumerate(slots):
             start = self.lengths[s]
             self.k[layer][s, :, start : start + t] = k_new[b]

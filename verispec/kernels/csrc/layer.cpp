@@ -11,6 +11,8 @@
 // lifetime; the decoder makes one per layer and drops it when a layer's modules change.
 #include <torch/extension.h>
 
+#include <cmath>
+
 #include <cstring>
 #include <vector>
 
@@ -45,6 +47,9 @@ Proj proj(py::tuple t) {
           t[3].cast<c10::optional<torch::Tensor>>()};
 }
 
+// The smallest float32 magnitude that rounds to infinity in float16 (65504 is its largest).
+constexpr float kHalfOverflow = 65520.0f;
+
 // new [B, Hkv, T, D] into cache [slots, Hkv, max_len, D] at slots[b], indices starts[b] .. + T
 void write_cache(torch::Tensor& cache, const torch::Tensor& fresh, const std::vector<int64_t>& slots,
                  const std::vector<int64_t>& starts) {
@@ -64,9 +69,16 @@ void write_cache(torch::Tensor& cache, const torch::Tensor& fresh, const std::ve
         std::memcpy(cache.data_ptr<float>() + at, from, (size_t)(t * d) * sizeof(float));
         continue;
       }
-      // rounded to nearest even, as torch rounds a float32 tensor copied into a float16 one
+      // rounded to nearest even, as torch rounds a float32 tensor copied into a float16 one; a
+      // finite value that float16 cannot hold would turn into an infinity, and the attention
+      // over it into NaN: an error instead (kv_cache.py checks its writes alike)
       c10::Half* dst = cache.data_ptr<c10::Half>() + at;
-      for (int64_t j = 0; j < t * d; ++j) dst[j] = c10::Half(from[j]);
+      for (int64_t j = 0; j < t * d; ++j) {
+        TORCH_CHECK(!(std::isfinite(from[j]) && std::fabs(from[j]) >= kHalfOverflow), "a key or value of ", from[j],
+                    " does not fit the float16 KV cache; load the model with kv_cache_dtype='float32' "
+                    "(--kv-cache-dtype float32)");
+        dst[j] = c10::Half(from[j]);
+      }
     }
   }
 }
