@@ -26,6 +26,14 @@ def test_generate_bad_input_exits_with_clear_message(capsys, extra, message):
     assert message in capsys.readouterr().err
 
 
+def test_kv_cache_dtype_is_checked_before_loading(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "no-such-model-anywhere", "hello", "--kv-cache-dtype", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
+    assert main(["serve", "no-such-model-anywhere", "--replicas", "2", "--kv-cache-dtype", "float32"]) == 2
+    assert "--kv-cache-dtype is not passed to replicas yet" in capsys.readouterr().err
+
+
 def test_empty_prompt_is_rejected(capsys):
     assert main(["generate", "no-such-model-anywhere", ""]) == 2
     assert "prompt is empty" in capsys.readouterr().err
