@@ -8,7 +8,9 @@
 //   exp_fixed is the same steps on 16 lanes (min/max take the scalar's NaN choice: MINPS and
 //   MAXPS return the second operand, the constant, as `x < c ? x : c` does);
 //   the sum's lanes are i % 16, so 16 consecutive p's are one vector add;
-//   each output element is its own accumulator over the keys in order, fma(p, v, acc).
+//   each output element is its own accumulator over the keys in order, fma(p, v, acc);
+//   a float16 cache's keys and values are converted on load (vcvtph2ps, exact), where the scalar
+//   definition converts each element, so both run the float32 steps on the same floats.
 // Only the order of independent work changes (the heads that share a KV head run together, so
 // each key and value vector is loaded once for them; the positions of a pass take turns on a
 // block of keys; several keys' scores at once; several vectors of outputs at once), so the bits
