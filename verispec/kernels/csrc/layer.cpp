@@ -12,7 +12,6 @@
 #include <torch/extension.h>
 
 #include <cmath>
-
 #include <cstring>
 #include <vector>
 
