@@ -77,6 +77,12 @@ class SpeculativeConfig:
     ``tree_children`` says how a node's children are chosen when sampling: ``"topk"`` (the
     draft's top-k, deterministic; dynamic EAGLE-2 trees), ``"without_replacement"`` or
     ``"iid"`` (sampled from q; these need a static shape, see :mod:`verispec.speculative.tree_verify`).
+
+    ``draft_vocab_size`` (``draft_model``; the name SpecForge and EAGLE-3 use for a draft's own
+    vocabulary) makes the draft model score only the token ids below it, plus its special tokens:
+    a cheaper draft LM head, with the output unchanged (see
+    :class:`verispec.speculative.draft_model.DraftVocabulary`). None takes the bundled draft's
+    own setting, if it has one, else the whole vocabulary.
     """
 
     method: str
@@ -90,6 +96,7 @@ class SpeculativeConfig:
     num_draft_tokens: int | None = None
     speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
     tree_children: str = "topk"
+    draft_vocab_size: int | None = None
 
     # Suffix decoding (vLLM's names and defaults; max_cached_tokens is verispec's memory bound:
     # the global store holds at most that many tokens, max_tree_depth trie nodes per token).
@@ -126,6 +133,9 @@ class SpeculativeConfig:
                 f"{self.prompt_lookup_min}..{self.prompt_lookup_max}"
             )
         self._check_suffix_decoding()
+        size = self.draft_vocab_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"draft_vocab_size must be a positive integer or null, got {size!r}")
         for name, low in (("lookahead_window_size", 1), ("lookahead_ngram_size", 2), ("lookahead_guess_set_size", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")

@@ -24,9 +24,9 @@ def models():
     return target_and_draft()
 
 
-def draft_model_engine(target, draft) -> Engine:
+def draft_model_engine(target, draft, draft_vocab_size=None) -> Engine:
     vocab = target.config.vocab_size
-    drafter = DraftModelDrafter(loaded(draft), vocab, 64)
+    drafter = DraftModelDrafter(loaded(draft), vocab, 64, draft_vocab_size=draft_vocab_size)
     return Engine(loaded(target), SpeculativeConfig(method="draft_model", num_speculative_tokens=K, adaptive=False),
                   max_model_len=64, drafter=drafter)
 
@@ -49,12 +49,27 @@ def test_speculative_sampling_matches_plain_distribution(models, name):
     assert passes(pvalue, tv)
 
 
-def test_wrong_recovery_rule_fails_the_same_test(models, monkeypatch):
+def test_a_draft_scoring_half_the_vocabulary_keeps_the_plain_distribution(models):
+    """``draft_vocab_size``: q is zero on ids 8..15, which the target often samples; those are
+    never drafted and always come from the residual."""
+    target, draft = models
+    params = SETTINGS["temperature=1.0"]
+    engine = draft_model_engine(target, draft, draft_vocab_size=8)
+    counts = sample_counts(lambda p: engine.generate(PROMPT, p).output_ids, params)
+    pvalue, tv = goodness_of_fit(counts, exact_joint(target, params))
+    acceptance = engine.metrics.acceptance_rate
+    print(f"cut vocabulary: acceptance {acceptance:.3f}, chi2 p={pvalue:.4f}, max marginal TV={tv:.4f}")
+    assert 0.2 < acceptance < 0.9
+    assert passes(pvalue, tv)
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 8], ids=["whole-vocabulary", "cut-vocabulary"])
+def test_wrong_recovery_rule_fails_the_same_test(models, monkeypatch, draft_vocab_size):
     """Negative control: recovering from p instead of normalize(max(p - q, 0)) is biased."""
     target, draft = models
     monkeypatch.setattr(verify_module, "_recovery_distribution", lambda p, q: p)
     params = SETTINGS["temperature=1.0"]
-    engine = draft_model_engine(target, draft)
+    engine = draft_model_engine(target, draft, draft_vocab_size)
     counts = sample_counts(lambda p: engine.generate(PROMPT, p).output_ids, params)
     pvalue, tv = goodness_of_fit(counts, exact_joint(target, params))
     print(f"negative control: chi2 p={pvalue:.2e}, max marginal TV={tv:.4f}")

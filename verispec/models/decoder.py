@@ -518,6 +518,7 @@ class Decoder(nn.Module):
         num_logits: int | None = None,
         output_hidden_states: bool = False,
         prefill: bool = False,
+        head: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor | DecoderOutput:
         """Run T new tokens per row, append their K/V to the cache and return logits.
 
@@ -527,8 +528,10 @@ class Decoder(nn.Module):
         just the last). A masked pass computes every row as a decode step would (see
         :func:`row_attention`), so tree rows are bitwise equal to plain decoding. ``prefill``
         marks a prompt's first pass, which may take the faster path of ``PREFILL_MIN_TOKENS``;
-        no other pass does. Returns float32 logits ``[B, n, vocab]``, or a :class:`DecoderOutput`
-        with hidden states when ``output_hidden_states``.
+        no other pass does. ``head`` replaces the model's LM head (normed hidden states
+        ``[B, n, hidden]`` -> float32 ``[B, n, V']``; a draft model scoring part of its vocabulary
+        passes one). Returns float32 logits ``[B, n, vocab]``, or a :class:`DecoderOutput` with
+        hidden states when ``output_hidden_states``.
         """
         b, t = token_ids.shape
         slots = list(range(b)) if slots is None else slots
@@ -571,7 +574,7 @@ class Decoder(nn.Module):
             hidden.append(x)
         if num_logits is not None:
             x = x[:, -num_logits:]
-        logits = self.logits(x)
+        logits = self.logits(x) if head is None else head(x)
         return DecoderOutput(logits, hidden) if output_hidden_states else logits
 
     def _native_layers(self, x: Tensor) -> list | None:

@@ -138,9 +138,11 @@ class NativeLinear(nn.Module):
     """``y = x @ W.T + bias`` with W given as packed GGUF parts stacked along the output dim."""
 
     def __init__(self, parts: list[PackedWeight], bias: Tensor | None, dense: Tensor | None,
-                 float_output: bool = False) -> None:
+                 float_output: bool = False, join: bool = True) -> None:
+        """``join=False`` keeps the parts as given (views into another layer's weights stay
+        views) instead of joining adjacent ones of a format into one copy."""
         super().__init__()
-        parts = kernels.concat(parts)
+        parts = kernels.concat(parts) if join else parts
         self.parts = parts
         self.float_output = float_output  # the LM head: logits stay float32, never rounded to bf16
         self.in_features = parts[0].k

@@ -19,20 +19,27 @@ pass-invariant as well, a slot also keeps the draft's K/V of a finished request,
 request in that slot reads only what its prompt does not share with them.
 
 The draft samples from q = logits_to_probs(draft logits) with the request's own sampling
-settings and generator, and returns q with the tokens, so verification stays exact.
+settings and generator, and returns q with the tokens, so verification stays exact. With a cut
+vocabulary (:class:`DraftVocabulary`) q is zero outside the kept ids, which changes acceptance
+only: the rule is exact for any q.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
+from torch import Tensor, nn
+
+from verispec import kernels
 from verispec.config import SpeculativeConfig
 from verispec.engine.sequence import Sequence, common_prefix
-from verispec.models.decoder import PREFILL_MIN_TOKENS
+from verispec.models.decoder import PREFILL_MIN_TOKENS, Decoder, invariant_linear
+from verispec.models.native import NativeLinear
+from verispec.models.registry import BUNDLED_MODELS
 from verispec.sampling import logits_to_probs, sample
 from verispec.speculative.base import DrafterContext, Outcome, Proposal, register_drafter
 from verispec.speculative.cost_model import relative_time
@@ -55,15 +62,106 @@ def check_vocab_compatible(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
+class DraftVocabulary:
+    """A draft model's LM head cut to part of the vocabulary (``draft_vocab_size``).
+
+    The head scores the ids below ``size`` and the tokenizer's special tokens (end of turn, end of
+    text: a draft that could not propose them could never draft the end of an answer); every
+    other id gets -inf (:meth:`expand`), so q is zero there. Verification is exact for any q, so
+    the output stays the target's; a target token outside the kept ids is never drafted, which
+    costs acceptance only. What it saves is the head's weight reads, a large part of a small
+    draft model's step: Qwen2.5-Coder-0.5B's tied head is 151,936 x 896 in Q8_0, 144 MB of the
+    model's 375 MB read per token (docs/benchmarks/spec.md has the measurements).
+
+    Kept ids are rounded out to whole tiles of the kernels' packed layout (16 ids) on a native
+    head, so the cut head's parts are views of the full one's bytes; a dense or tied head keeps
+    exactly the ids asked for. The cut head runs through the same kernels, so a kept id's logit
+    is bit for bit the full head's.
+    """
+
+    def __init__(self, model: Decoder, size: int, special_ids: Iterable[int]) -> None:
+        head = model.lm_head
+        vocab = model.config.vocab_size
+        align = kernels.TILE if isinstance(head, NativeLinear) else 1
+        wanted = [(0, min(size, vocab))] + [(i, i + 1) for i in sorted(special_ids) if 0 <= i < vocab]
+        ranges: list[tuple[int, int]] = []
+        for a, b in wanted:  # [a, b) rounded out to whole tiles, merged where they meet
+            a, b = a // align * align, min(-(-b // align) * align, vocab)
+            if ranges and a <= ranges[-1][1]:
+                ranges[-1] = (ranges[-1][0], max(ranges[-1][1], b))
+            else:
+                ranges.append((a, b))
+        self.ranges = ranges  # kept ids, in id order
+        self.size = sum(b - a for a, b in ranges)
+        if isinstance(head, NativeLinear):
+            self.head: nn.Module | None = _cut_native(head, ranges)
+        elif head is None or isinstance(head, nn.Linear):
+            self.head = None  # dense rows, multiplied range by range (views, no copies)
+            self.weight, self.bias = (model.embed.weight, None) if head is None else (head.weight, head.bias)
+        else:
+            raise ValueError(f"draft_vocab_size: the draft's LM head ({type(head).__name__}) cannot be cut; "
+                             "leave draft_vocab_size unset for this draft model")
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """Normed hidden states ``[..., hidden]`` -> float32 logits of the kept ids ``[..., size]``."""
+        if self.head is not None:
+            return self.head(x).float()
+        parts = [invariant_linear(x, self.weight[a:b], None if self.bias is None else self.bias[a:b])
+                 for a, b in self.ranges]
+        return torch.cat(parts, dim=-1).float()
+
+    def expand(self, logits: Tensor, vocab: int) -> Tensor:
+        """``[..., size]`` -> ``[..., vocab]``, -inf at every id not kept (and none past ``vocab``).
+
+        Example: ranges [(0, 4), (8, 10)], vocab 10: logits [l0 l1 l2 l3 l8 l9] ->
+        [l0 l1 l2 l3 -inf -inf -inf -inf l8 l9]."""
+        out = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))
+        offset = 0
+        for a, b in self.ranges:
+            end = min(b, vocab)
+            if a < end:
+                out[..., a:end] = logits[..., offset : offset + end - a]
+            offset += b - a
+        return out
+
+
+def _cut_native(head: NativeLinear, ranges: list[tuple[int, int]]) -> NativeLinear:
+    """The rows ``ranges`` (whole tiles) of a native head, as views of its packed parts."""
+    parts, offset = [], 0
+    for p in head.parts:
+        tile_bytes = p.nbytes // (p.n // kernels.TILE)
+        for a, b in ranges:
+            lo, hi = max(a, offset), min(b, offset + p.n)
+            if lo < hi:
+                data = p.data[(lo - offset) // kernels.TILE * tile_bytes : (hi - offset) // kernels.TILE * tile_bytes]
+                parts.append(kernels.PackedWeight(p.fmt, hi - lo, p.k, data))
+        offset += p.n
+    bias = None if head.bias is None else torch.cat([head.bias[a:b] for a, b in ranges])
+    return NativeLinear(parts, bias, None, float_output=True, join=False)
+
+
+def bundled_draft_vocab_size(name: str) -> int | None:
+    """The ``draft_vocab_size`` a bundled model drafts with by default (None: its whole vocabulary)."""
+    model = BUNDLED_MODELS.get(name)
+    return None if model is None else model.draft_vocab_size
+
+
 # Catch-up passes over generated tokens are short, like the target's verify passes (they are not
 # marked as a prefill, so this is not needed for exactness, only to keep them cheap to compile).
 DECODE_CHUNK = PREFILL_MIN_TOKENS - 1
 
 
 class DraftModelDrafter:
-    def __init__(self, draft: LoadedModel, target_vocab: int, max_model_len: int, num_slots: int = 1) -> None:
+    def __init__(self, draft: LoadedModel, target_vocab: int, max_model_len: int, num_slots: int = 1,
+                 draft_vocab_size: int | None = None) -> None:
+        """``draft_vocab_size``: see :class:`DraftVocabulary`; None takes the bundled model's
+        own setting (:func:`bundled_draft_vocab_size`), else the whole vocabulary."""
         self.model = draft.model
         self.target_vocab = target_vocab
+        size = bundled_draft_vocab_size(draft.name) if draft_vocab_size is None else draft_vocab_size
+        special = set(getattr(draft.tokenizer.hf, "added_tokens_decoder", {})) | set(draft.tokenizer.eos_token_ids)
+        self.vocab = (DraftVocabulary(self.model, size, special)
+                      if size is not None and size < self.model.config.vocab_size else None)
         self.cache = self.model.new_cache(max_model_len, num_slots=num_slots)
         self._round_start: dict[int, tuple[int, int]] = {}  # slot -> (L0, k) of the last proposal
         self.prompt_prefill = True  # the prompt in one prefill pass (see reads_prompts_as)
@@ -197,15 +295,18 @@ class DraftModelDrafter:
         device = self.model.device
         ids = torch.tensor([tokens], device=device)  # [1, T]
         positions = torch.arange(start, start + len(tokens), device=device)[None]  # [1, T]
-        logits = self.model(ids, positions, self.cache, slots=[slot], num_logits=1, prefill=prefill)[0, -1]  # [V_draft]
+        logits = self.model(ids, positions, self.cache, slots=[slot], num_logits=1, prefill=prefill,
+                            head=self.vocab)[0, -1]  # [V_draft] (or [V_kept], a cut vocabulary)
         return self._align_vocab(logits)
 
     def _align_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """[..., V_draft] -> [..., V_target].
+        """[..., V_draft] (or the kept ids of a cut vocabulary) -> [..., V_target].
 
         Embedding tables are often padded past the tokenizer; align with the target's size.
         Draft-only ids get -inf, so q (and hence what is sampled) never includes them.
         """
+        if self.vocab is not None:
+            return self.vocab.expand(logits, self.target_vocab)
         if logits.shape[-1] >= self.target_vocab:
             return logits[..., : self.target_vocab]
         pad = logits.new_full((*logits.shape[:-1], self.target_vocab - logits.shape[-1]), float("-inf"))
@@ -241,5 +342,6 @@ def draft_model_drafter(draft: LoadedModel, config: SpeculativeConfig,
             draft, vocab, context.max_model_len, topk=config.speculative_eagle_topk, budget=config.tree_budget,
             children=config.tree_children, choices=config.speculative_token_tree,
             depth=config.num_speculative_tokens, num_slots=context.max_num_seqs,
+            draft_vocab_size=config.draft_vocab_size,
         )
-    return DraftModelDrafter(draft, vocab, context.max_model_len, context.max_num_seqs)
+    return DraftModelDrafter(draft, vocab, context.max_model_len, context.max_num_seqs, config.draft_vocab_size)

@@ -70,8 +70,8 @@ class _Node:
 class TreeDraftModelDrafter(DraftModelDrafter):
     def __init__(self, draft, target_vocab: int, max_model_len: int, *, topk: int, budget: int,
                  children: str = "topk", choices: tuple[tuple[int, ...], ...] | None = None,
-                 depth: int = 4, num_slots: int = 1) -> None:
-        super().__init__(draft, target_vocab, max_model_len, num_slots)
+                 depth: int = 4, num_slots: int = 1, draft_vocab_size: int | None = None) -> None:
+        super().__init__(draft, target_vocab, max_model_len, num_slots, draft_vocab_size)
         if children != "topk" and choices is None:
             choices = tuple(default_choices(depth, topk, budget))
         self.topk, self.budget, self.children = topk, budget, children
@@ -179,7 +179,7 @@ class TreeDraftModelDrafter(DraftModelDrafter):
             positions.append(root_len - 1 + len(nodes[i].cache_path))
         ids = torch.tensor([[nodes[i].token for i in feed]], device=device)
         logits = self.model(ids, torch.tensor([positions], device=device), self.cache, attn_mask=mask,
-                            slots=[slot])[0]  # [F, V_draft]
+                            slots=[slot], head=self.vocab)[0]  # [F, V_draft] (or [F, V_kept])
         return self._align_vocab(logits)
 
     def _proposal(self, nodes: list[_Node], keep: list[int], values: tuple[float, ...] | None) -> Proposal:
