@@ -8,6 +8,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from torch import Tensor
+
+from verispec import sampling
 from verispec.sampling import logits_to_probs, make_generator, sample
 
 
@@ -341,3 +344,58 @@ def test_a_temperature_too_small_to_divide_by_is_greedy_not_nan() -> None:
         assert torch.equal(logits_to_probs(logits, t), logits_to_probs(logits, 0.0))
     # a small but safe temperature is left as it is (not one-hot)
     assert logits_to_probs(logits[1:], 0.5).max() < 1.0
+
+
+# ---------------------------------------------------------------- top-p among candidates
+
+
+def _top_p_rows() -> tuple[Tensor, Tensor]:
+    """Rows whose nucleus ends among a few candidates, rows whose nucleus is wider, ties at the
+    nucleus's end, rows cut by top-k to fewer tokens than the candidates, and rows without top-p."""
+    gen = torch.Generator().manual_seed(21)
+    peaked = torch.randn(6, 300, generator=gen) * 4
+    flat = torch.randn(4, 300, generator=gen) * 0.1
+    ties = torch.zeros(2, 300)
+    ties[:, 50:60] = 8.0  # ten tied tokens hold nearly all the mass: the nucleus ends inside the tie
+    ties[1, 3] = 8.0  # one more tied token, with a lower id than the others
+    logits = torch.cat([peaked, flat, ties])
+    p = torch.tensor([0.9, 0.5, 0.99, 0.0, 0.95, 1.0, 0.9, 0.5, 0.99, 0.7, 0.3, 0.45])
+    return logits, p
+
+
+@pytest.mark.parametrize("candidates", [1, 4, 8, 16, 64])
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_top_p_among_candidates_equals_sorting_whole_rows(monkeypatch: pytest.MonkeyPatch, candidates: int,
+                                                         top_k: int) -> None:
+    logits, p = _top_p_rows()
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 10**6)  # every row sorted in full
+    whole = logits_to_probs(logits, 0.8, top_k=top_k, top_p=p)
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", candidates)
+    fast = logits_to_probs(logits, 0.8, top_k=top_k, top_p=p)
+    torch.testing.assert_close(fast, whole, atol=0.0, rtol=0.0)
+
+
+def test_top_p_ties_at_the_end_of_the_nucleus_keep_the_lowest_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = torch.zeros(300)
+    logits[[3, 50, 51, 52, 53]] = 5.0  # five tied tokens hold nearly all the mass
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 4)  # fewer candidates than tied tokens
+    probs = logits_to_probs(logits, 1.0, top_p=0.5)  # each tied token 0.143: the mass before the 4th is 0.43
+    assert probs.nonzero().flatten().tolist() == [3, 50, 51, 52]
+
+
+def test_only_rows_whose_nucleus_is_wider_than_the_candidates_are_sorted(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits, p = _top_p_rows()
+    sorted_rows: list[int] = []
+    real_sort = torch.sort
+
+    def spy(x, *args, **kwargs):
+        sorted_rows.append(x.shape[0])
+        return real_sort(x, *args, **kwargs)
+
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", 64)
+    alone = [logits_to_probs(logits[i], 0.8, top_p=p[i]) for i in range(len(p))]
+    monkeypatch.setattr(torch, "sort", spy)
+    batch = logits_to_probs(logits, 0.8, top_p=p)
+    assert sorted_rows == [4]  # the four flat rows (nuclei of 135-296 tokens); the others end among 64
+    for i, row in enumerate(alone):  # a row's result does not depend on which rows were sorted
+        torch.testing.assert_close(batch[i], row, atol=0.0, rtol=0.0)

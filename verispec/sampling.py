@@ -25,11 +25,15 @@ Order of transforms (the same as Hugging Face ``generate`` and vLLM)::
   likely token survives top-k and top-p), so it is evaluated on the scaled logits as
   ``logit < max_logit + log(m)``. ``m <= 0`` disables it.
 
-Only top-p needs the tokens in sorted order, so the logits are sorted (once) only when some
-row uses top-p; top-k alone uses :func:`torch.topk` for its threshold and min-p needs no
-order at all. Each mask is computed with the same arithmetic on every path, so a row's result
-does not depend on which other rows share the batch. With every filter disabled the result
-is a plain softmax.
+Only top-p needs the tokens in sorted order, and only as far as its nucleus reaches: it looks
+among the ``TOP_P_CANDIDATES`` largest logits (:func:`torch.topk`) and sorts the whole row only
+where the nucleus does not end among them (a flat distribution). Sorting a 151,936-token row took
+13.6 ms on a 2-vCPU Xeon, a third of a 1.5B model's decode step, and a 9-row verify pass paid it
+nine times; the candidates take 0.6 ms a row. Both ways give the same set, so a row's result
+depends on its own logits only (see :func:`_top_p_mask`). top-k uses :func:`torch.topk` for its
+threshold and min-p needs no order at all. Each mask is computed with the same arithmetic on
+every path, so a row's result does not depend on which other rows share the batch. With every
+filter disabled the result is a plain softmax.
 
 Parameters may be Python scalars (shared by every row) or tensors giving one value per row.
 A tensor parameter is matched against the leading dimensions of ``logits`` *from the left*:
@@ -133,36 +137,16 @@ def logits_to_probs(
 
     keep = torch.ones_like(scaled, dtype=torch.bool)  # [..., vocab], vocabulary order
 
-    sorted_logits: Tensor | None = None
-    sorted_idx: Tensor | None = None
-    if use_p:  # only top-p needs the full sorted order
-        sorted_logits, sorted_idx = torch.sort(scaled, dim=-1, descending=True, stable=True)
-        # sorted_logits, sorted_idx: [..., vocab]
-
     if use_k:
         k = _row_param(top_k, lead, torch.int64, device)  # [..., 1]
-        if sorted_logits is not None:
-            kth = sorted_logits.gather(-1, (k - 1).clamp(0, vocab - 1))  # [..., 1]
-        else:
-            k_max = min(int(k.max()), vocab)
-            top_vals = torch.topk(scaled, k_max, dim=-1).values  # [..., k_max], descending
-            kth = top_vals.gather(-1, (k - 1).clamp(0, k_max - 1))  # [..., 1]
-        # The k-th largest value is the same whichever way it is found.
+        k_max = min(int(k.max()), vocab)
+        top_vals = torch.topk(scaled, k_max, dim=-1).values  # [..., k_max], descending
+        kth = top_vals.gather(-1, (k - 1).clamp(0, k_max - 1))  # [..., 1]
         keep &= (scaled >= kth) | (k <= 0)
 
-    if sorted_logits is not None and sorted_idx is not None:  # top-p
+    if use_p:
         p = _row_param(top_p, lead, torch.float32, device)  # [..., 1]
-        keep_sorted = keep.gather(-1, sorted_idx)  # [..., vocab], top-k mask in sorted order
-        # Distribution left after top-k, in sorted order.
-        probs_sorted = torch.softmax(
-            sorted_logits.masked_fill(~keep_sorted, _NEG_INF), dim=-1
-        )  # [..., vocab]
-        cum = probs_sorted.cumsum(dim=-1)  # [..., vocab]
-        # Probability mass strictly above each token (exclusive cumulative sum).
-        before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1)
-        keep_p_sorted = (before < p) | (p >= 1)
-        keep_p_sorted[..., 0] = True  # always keep the most likely token
-        keep &= torch.empty_like(keep).scatter_(-1, sorted_idx, keep_p_sorted)
+        keep &= _top_p_mask(scaled.masked_fill(~keep, _NEG_INF), p)
 
     if use_m:
         m = _row_param(min_p, lead, torch.float32, device)  # [..., 1]
@@ -177,6 +161,58 @@ def logits_to_probs(
     if any_greedy:
         probs = torch.where(greedy, onehot, probs)
     return probs
+
+
+TOP_P_CANDIDATES = 256  # the largest logits among which top-p first looks for its nucleus
+
+
+def _nucleus(probs_sorted: Tensor, p: Tensor) -> Tensor:
+    """Top-p on probabilities in descending order ``[R, n]``: keep a token while the mass strictly
+    before it is below ``p`` (the first always); rows with ``p >= 1`` keep all. ``[R, n]`` bool.
+    The cumulative sum runs along the row, so its first values are the same whether the row is
+    cut after the candidates or not."""
+    cum = probs_sorted.cumsum(dim=-1)  # [R, n]
+    before = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1)  # mass before each token
+    keep = (before < p) | (p >= 1)
+    keep[..., 0] = True
+    return keep
+
+
+def _top_p_mask(x: Tensor, p: Tensor) -> Tensor:
+    """The top-p keep mask ``[..., vocab]`` of scaled logits ``x`` (-inf where top-k dropped a
+    token) for ``p [..., 1]``.
+
+    The order is descending ``x``, ties by lowest token id (a stable sort); the probabilities are
+    ``softmax(x)`` in vocabulary order. The nucleus is first looked for among the
+    ``TOP_P_CANDIDATES`` largest logits, put in that order. If it ends at a token whose logit is
+    above the smallest candidate's, every token that precedes a kept one in the full order is a
+    candidate (a token left out has a logit at most the smallest candidate's), so the candidates
+    give exactly the full sort's set. Where the smallest candidate is -inf, every token left out
+    has probability zero. Other rows (a nucleus wider than the candidates) sort in full.
+    """
+    vocab = x.shape[-1]
+    flat = x.reshape(-1, vocab)  # [R, V]
+    probs = torch.softmax(flat, dim=-1)  # [R, V], vocabulary order
+    p = p.reshape(-1, 1)  # [R, 1]
+    keep = torch.zeros_like(flat, dtype=torch.bool)  # [R, V]
+    n = min(TOP_P_CANDIDATES, vocab)
+    vals, ids = torch.topk(flat, n, dim=-1)  # [R, n] descending; ties in no set order
+    ids, order = ids.sort(dim=-1)  # put ties by lowest id: ids ascending, then a stable sort on x
+    vals, order = vals.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, order)  # [R, n] in the full sort's order, as far as it goes
+    kept = _nucleus(probs.gather(-1, ids), p)  # [R, n]
+    count = kept.sum(dim=-1, keepdim=True)  # [R, 1]
+    last = vals.gather(-1, count - 1)  # [R, 1] the logit of the last kept token
+    whole = p >= 1  # [R, 1] rows without top-p keep every token
+    exact = whole | (n == vocab) | (vals[:, -1:] == _NEG_INF) | ((count < n) & (last > vals[:, -1:]))  # [R, 1]
+    keep.scatter_(-1, ids, kept & exact)
+    keep |= whole
+    rest = (~exact[:, 0]).nonzero().flatten()  # rows whose nucleus reaches past the candidates
+    if rest.numel():
+        _, order = torch.sort(flat[rest], dim=-1, descending=True, stable=True)  # [r, V]
+        kept = _nucleus(probs[rest].gather(-1, order), p[rest])
+        keep[rest] = torch.zeros_like(kept).scatter_(-1, order, kept)
+    return keep.view(x.shape)
 
 
 def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
