@@ -65,6 +65,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from verispec.sampling import sample
+
 __all__ = ["PAD_TOKEN", "VerifyResult", "verify_greedy", "verify_stochastic"]
 
 PAD_TOKEN = -1
@@ -256,27 +258,11 @@ def _recovery_distribution(p: Tensor, q: Tensor) -> Tensor:
 
 
 def _sample_categorical(weights: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One draw per row from ``weights / weights.sum(-1)``, without a host sync.
-
-    Uses the exponential race: with ``E_v ~ Exp(1)`` i.i.d., ``argmax_v weights_v / E_v``
-    is distributed as the normalised weights (``torch.multinomial`` is avoided because it
-    can synchronise with the host).  Tokens with zero weight are masked to -1 so they can
-    never win, even in the measure-zero case where every positive score underflows to 0.
-
-    Args:
-        weights: ``[batch, vocab]`` non-negative weights with positive row sums.
-        generator: random source on ``weights``' device, or ``None``.
-
-    Returns:
-        ``[batch]`` int64 sampled token ids.
-    """
-    uniforms = torch.rand(
-        weights.shape, generator=generator, device=weights.device, dtype=weights.dtype
-    )  # [batch, vocab] in [0, 1)
-    exponentials = -torch.log(uniforms)  # [batch, vocab] in (0, inf]; u = 0 gives inf
-    scores = weights / exponentials  # [batch, vocab]
-    scores = torch.where(weights > 0, scores, torch.full_like(scores, -1.0))
-    return scores.argmax(dim=-1)  # [batch]
+    """One draw per row from ``weights / weights.sum(-1)`` (``[batch, vocab]`` non-negative, with
+    positive row sums) -> ``[batch]`` int64, without a host sync (``torch.multinomial`` can
+    synchronise with the host): :func:`verispec.sampling.sample`, which never draws a token of
+    weight zero."""
+    return sample(weights, generator)
 
 
 def _count_leading_true(mask: Tensor) -> Tensor:
