@@ -71,7 +71,7 @@ class DraftVocabulary:
     the output stays the target's; a target token outside the kept ids is never drafted, which
     costs acceptance only. What it saves is the head's weight reads, a large part of a small
     draft model's step: Qwen2.5-Coder-0.5B's tied head is 151,936 x 896 in Q8_0, 144 MB of the
-    model's 375 MB read per token (docs/benchmarks/spec.md has the measurements).
+    model's 392 MB read per token (docs/benchmarks/per-token-costs.md has the measurements).
 
     Kept ids are rounded out to whole tiles of the kernels' packed layout (16 ids) on a native
     head, so the cut head's parts are views of the full one's bytes; a dense or tied head keeps
