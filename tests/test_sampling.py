@@ -335,6 +335,32 @@ def test_sample_matches_distribution_chi_square(top_k: int) -> None:
     assert result.pvalue > 1e-3, result
 
 
+def _chi_square_pvalue(tokens: Tensor, weights: Tensor) -> float:
+    support = weights > 0
+    counts = torch.bincount(tokens, minlength=weights.numel()).to(torch.float64)[support]
+    expected = weights[support].to(torch.float64)
+    expected = expected / expected.sum() * tokens.numel()
+    return float(chisquare(counts.numpy(), expected.numpy()).pvalue)
+
+
+def test_sample_draws_unnormalised_weights_in_proportion() -> None:
+    """Verification draws from a residual max(p - q, 0), whose sum is below 1."""
+    weights = torch.tensor([0.02, 0.0, 0.11, 0.05, 0.0, 0.07, 0.01, 0.04])  # sums to 0.3
+    tokens = sample(weights.expand(40_000, -1), make_generator(77, "cpu"))
+    assert set(tokens.tolist()) == {0, 2, 3, 5, 6, 7}  # never a token of weight zero
+    assert _chi_square_pvalue(tokens, weights) > 1e-3
+
+
+def test_the_chi_square_test_catches_a_draw_five_percent_off() -> None:
+    """Negative control: draws from weights with 5% of the mass moved between two tokens fail."""
+    weights = torch.tensor([0.02, 0.0, 0.11, 0.05, 0.0, 0.07, 0.01, 0.04])
+    off = weights.clone()
+    off[2] -= 0.015
+    off[6] += 0.015
+    tokens = sample(off.expand(40_000, -1), make_generator(77, "cpu"))
+    assert _chi_square_pvalue(tokens, weights) < 1e-6
+
+
 def test_a_temperature_too_small_to_divide_by_is_greedy_not_nan() -> None:
     """1e-40 is subnormal in float32: logits / t overflow, and softmax of inf would be NaN."""
     logits = torch.tensor([[3.0, 5.0, -1.0, float("-inf")], [0.5, 0.25, 0.0, 1.0]])
