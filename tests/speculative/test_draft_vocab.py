@@ -50,35 +50,49 @@ def kept_mask(vocab: DraftVocabulary, size: int) -> torch.Tensor:
 @needs_kernels
 def test_a_native_head_keeps_whole_tiles_and_the_special_tokens():
     model = quantize_(tiny_model(vocab=VOCAB, seed=2), "int4", native=True)
-    vocab = DraftVocabulary(model, 20, special_ids=[50, 63, 99])  # 99: past the vocabulary, ignored
+    vocab = DraftVocabulary(model, 20, special_ids=[50, 63, 99], target_vocab=VOCAB)  # 99: past the vocabulary
     assert vocab.ranges == [(0, 32), (48, 64)]
     assert vocab.size == 48
 
 
 def test_a_dense_head_keeps_exactly_the_ids_asked_for():
-    vocab = DraftVocabulary(tiny_model(vocab=VOCAB, seed=2), 20, special_ids=[63, 50, 19])
+    vocab = DraftVocabulary(tiny_model(vocab=VOCAB, seed=2), 20, special_ids=[63, 50, 19], target_vocab=VOCAB)
     assert vocab.ranges == [(0, 20), (50, 51), (63, 64)]
     assert vocab.size == 22
 
 
 def test_kept_logits_are_the_full_heads_bit_for_bit_and_the_rest_minus_infinity(draft):
-    vocab = DraftVocabulary(draft, 24, special_ids=[60])
+    vocab = DraftVocabulary(draft, 24, special_ids=[60], target_vocab=VOCAB)
     x = torch.randn(5, draft.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(draft.dtype)
     full = draft.logits(x)  # [5, V]
-    cut = vocab.expand(vocab(x), VOCAB)  # [5, V]
+    cut = vocab.expand(vocab(x))  # [5, V]
     keep = kept_mask(vocab, VOCAB)
     assert vocab(x).shape == (5, vocab.size)
     assert torch.equal(cut[:, keep], full[:, keep])
     assert torch.isneginf(cut[:, ~keep]).all()
 
 
-def test_expand_drops_kept_ids_past_the_targets_vocabulary():
-    vocab = DraftVocabulary(tiny_model(vocab=VOCAB, seed=2), 8, special_ids=[62])
-    logits = torch.arange(float(vocab.size))[None]  # ids 0..7 and 62
-    out = vocab.expand(logits, 40)  # a target with 40 ids: id 62 has no place
+def test_no_kept_id_lies_past_the_targets_vocabulary():
+    vocab = DraftVocabulary(tiny_model(vocab=VOCAB, seed=2), 8, special_ids=[62], target_vocab=40)
+    assert vocab.ranges == [(0, 8)]  # id 62 has no place in a target of 40 ids
+    logits = torch.arange(8.0)[None]
+    out = vocab.expand(logits)
     assert out.shape == (1, 40)
-    assert torch.equal(out[0, :8], logits[0, :8])
+    assert torch.equal(out[0, :8], logits[0])
     assert torch.isneginf(out[0, 8:]).all()
+
+
+def test_the_argmax_of_the_kept_logits_is_the_argmax_over_the_vocabulary(draft):
+    """Greedy drafting takes the argmax of the kept logits and maps it to its id."""
+    drafter = DraftModelDrafter(loaded(draft), VOCAB, 64, draft_vocab_size=20)
+    vocab = drafter.vocab
+    assert [vocab.token(i) for i in range(vocab.size)] == [i for a, b in vocab.ranges for i in range(a, b)]
+    with pytest.raises(IndexError):
+        vocab.token(vocab.size)
+    x = torch.randn(32, draft.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(draft.dtype)
+    kept = vocab(x)  # [32, size]
+    kept[3, :] = 0.0  # a tie everywhere: the lowest id wins either way
+    assert [drafter._argmax(row) for row in kept] == vocab.expand(kept).argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
-
 from torch import Tensor, nn
 
 from verispec import kernels
@@ -79,14 +78,19 @@ class DraftVocabulary:
     is bit for bit the full head's.
     """
 
-    def __init__(self, model: Decoder, size: int, special_ids: Iterable[int]) -> None:
+    def __init__(self, model: Decoder, size: int, special_ids: Iterable[int], target_vocab: int) -> None:
+        """Keep ids below ``size`` and ``special_ids``, none at or past the draft's or the
+        target's vocabulary size (``target_vocab``, the width of :meth:`expand`)."""
         head = model.lm_head
-        vocab = model.config.vocab_size
+        self.target_vocab = target_vocab
+        vocab = min(model.config.vocab_size, target_vocab)
         align = kernels.TILE if isinstance(head, NativeLinear) else 1
         wanted = [(0, min(size, vocab))] + [(i, i + 1) for i in sorted(special_ids) if 0 <= i < vocab]
         ranges: list[tuple[int, int]] = []
         for a, b in wanted:  # [a, b) rounded out to whole tiles, merged where they meet
             a, b = a // align * align, min(-(-b // align) * align, vocab)
+            if a >= b:
+                continue
             if ranges and a <= ranges[-1][1]:
                 ranges[-1] = (ranges[-1][0], max(ranges[-1][1], b))
             else:
@@ -110,19 +114,26 @@ class DraftVocabulary:
                  for a, b in self.ranges]
         return torch.cat(parts, dim=-1).float()
 
-    def expand(self, logits: Tensor, vocab: int) -> Tensor:
-        """``[..., size]`` -> ``[..., vocab]``, -inf at every id not kept (and none past ``vocab``).
+    def expand(self, logits: Tensor) -> Tensor:
+        """``[..., size]`` -> ``[..., target_vocab]``, -inf at every id not kept.
 
-        Example: ranges [(0, 4), (8, 10)], vocab 10: logits [l0 l1 l2 l3 l8 l9] ->
-        [l0 l1 l2 l3 -inf -inf -inf -inf l8 l9]."""
-        out = logits.new_full((*logits.shape[:-1], vocab), float("-inf"))
+        Example: ranges [(0, 4), (8, 10)], target_vocab 12: logits [l0 l1 l2 l3 l8 l9] ->
+        [l0 l1 l2 l3 -inf -inf -inf -inf l8 l9 -inf -inf]."""
+        out = logits.new_full((*logits.shape[:-1], self.target_vocab), float("-inf"))
         offset = 0
         for a, b in self.ranges:
-            end = min(b, vocab)
-            if a < end:
-                out[..., a:end] = logits[..., offset : offset + end - a]
+            out[..., a:b] = logits[..., offset : offset + b - a]
             offset += b - a
         return out
+
+    def token(self, index: int) -> int:
+        """The token id at ``index`` of the kept logits (e.g. their argmax: ties go to the lowest
+        id, as in the whole vocabulary's argmax, since the kept ids are in id order)."""
+        for a, b in self.ranges:
+            if index < b - a:
+                return a + index
+            index -= b - a
+        raise IndexError(f"index past the {self.size} kept ids")
 
 
 def _cut_native(head: NativeLinear, ranges: list[tuple[int, int]]) -> NativeLinear:
@@ -160,7 +171,7 @@ class DraftModelDrafter:
         self.target_vocab = target_vocab
         size = bundled_draft_vocab_size(draft.name) if draft_vocab_size is None else draft_vocab_size
         special = set(getattr(draft.tokenizer.hf, "added_tokens_decoder", {})) | set(draft.tokenizer.eos_token_ids)
-        self.vocab = (DraftVocabulary(self.model, size, special)
+        self.vocab = (DraftVocabulary(self.model, size, special, target_vocab)
                       if size is not None and size < self.model.config.vocab_size else None)
         self.cache = self.model.new_cache(max_model_len, num_slots=num_slots)
         self._round_start: dict[int, tuple[int, int]] = {}  # slot -> (L0, k) of the last proposal
@@ -225,11 +236,11 @@ class DraftModelDrafter:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for _ in range(k):
-            logits = self._forward(seq.slot, feed)  # [V_target]
+            logits = self._next_logits(seq.slot, feed)  # [V_draft], or [V_kept] with a cut vocabulary
             if p.greedy:
-                tok = int(logits.argmax())
+                tok = self._argmax(logits)
             else:
-                q = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [V_target]
+                q = logits_to_probs(self._align_vocab(logits), p.temperature, p.top_k, p.top_p, p.min_p)  # [V_target]
                 tok = int(sample(q, seq.generator))
                 probs.append(q)
             tokens.append(tok)
@@ -291,13 +302,26 @@ class DraftModelDrafter:
 
     def _forward(self, slot: int, tokens: list[int], prefill: bool = False) -> torch.Tensor:
         """Feed ``tokens``; return the next-token logits over the target's vocabulary [V_target]."""
+        return self._align_vocab(self._next_logits(slot, tokens, prefill))
+
+    def _next_logits(self, slot: int, tokens: list[int], prefill: bool = False) -> torch.Tensor:
+        """Feed ``tokens``; return the next-token logits as the draft's head computes them:
+        [V_draft], or [V_kept] with a cut vocabulary (see :meth:`_align_vocab`)."""
         start = self.cache.length(slot)
         device = self.model.device
         ids = torch.tensor([tokens], device=device)  # [1, T]
         positions = torch.arange(start, start + len(tokens), device=device)[None]  # [1, T]
-        logits = self.model(ids, positions, self.cache, slots=[slot], num_logits=1, prefill=prefill,
-                            head=self.vocab)[0, -1]  # [V_draft] (or [V_kept], a cut vocabulary)
-        return self._align_vocab(logits)
+        return self.model(ids, positions, self.cache, slots=[slot], num_logits=1, prefill=prefill,
+                          head=self.vocab)[0, -1]
+
+    def _argmax(self, logits: torch.Tensor) -> int:
+        """The greedy draft token of :meth:`_next_logits`' logits. With a cut vocabulary, the
+        argmax of the kept logits, without spreading them over the whole vocabulary first (the
+        -inf fill and copies cost a draft step of Qwen2.5-Coder-0.5B about 1.5 ms, right after the
+        kernels' call: docs/benchmarks/per-token-costs.md)."""
+        if self.vocab is not None:
+            return self.vocab.token(int(logits.argmax()))
+        return int(self._align_vocab(logits).argmax())
 
     def _align_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V_draft] (or the kept ids of a cut vocabulary) -> [..., V_target].
@@ -306,7 +330,7 @@ class DraftModelDrafter:
         Draft-only ids get -inf, so q (and hence what is sampled) never includes them.
         """
         if self.vocab is not None:
-            return self.vocab.expand(logits, self.target_vocab)
+            return self.vocab.expand(logits)
         if logits.shape[-1] >= self.target_vocab:
             return logits[..., : self.target_vocab]
         pad = logits.new_full((*logits.shape[:-1], self.target_vocab - logits.shape[-1]), float("-inf"))
