@@ -317,7 +317,7 @@ class DraftModelDrafter:
     def _argmax(self, logits: torch.Tensor) -> int:
         """The greedy draft token of :meth:`_next_logits`' logits. With a cut vocabulary, the
         argmax of the kept logits, without spreading them over the whole vocabulary first (the
-        -inf fill and copies cost a draft step of Qwen2.5-Coder-0.5B about 1.5 ms, right after the
+        -inf fill and copies cost a draft step of Qwen2.5-Coder-0.5B 1-4 ms, right after the
         kernels' call: docs/benchmarks/per-token-costs.md)."""
         if self.vocab is not None:
             return self.vocab.token(int(logits.argmax()))
