@@ -54,8 +54,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from verispec.sampling import sample
 from verispec.speculative.tree import Tree
-from verispec.speculative.verify import _recovery_distribution, _sample_categorical
+from verispec.speculative.verify import _recovery_distribution
 
 CHILD_MODES = ("topk", "iid", "without_replacement")
 
@@ -117,7 +118,7 @@ def verify_tree_stochastic(
     while True:
         accepted, residual = _try_children(tree, node, draft_tokens, draft_probs, p[node], children, generator)
         if accepted is None:
-            final = int(_sample_categorical(residual[None], generator)[0])
+            final = int(sample(residual, generator))
             return TreeVerifyResult(tuple(path), tuple(draft_tokens[c - 1] for c in path) + (final,))
         path.append(accepted)
         node = accepted

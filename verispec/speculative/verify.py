@@ -232,7 +232,7 @@ def verify_stochastic(
         q_final = torch.where(rejected.unsqueeze(-1), q_final, torch.zeros_like(q_final))
 
     weights = _recovery_distribution(p_final, q_final)  # [batch, vocab], unnormalised
-    final_token = _sample_categorical(weights, generator)  # [batch] int64
+    final_token = sample(weights, generator)  # [batch] int64 (no host sync; never a token of weight zero)
 
     tokens = _assemble_tokens(draft_tokens, num_accepted, final_token)  # [batch, k+1]
     return VerifyResult(num_accepted=num_accepted, tokens=tokens)
@@ -255,14 +255,6 @@ def _recovery_distribution(p: Tensor, q: Tensor) -> Tensor:
     residual = (p - q).clamp_min(0.0)  # [batch, vocab]
     has_mass = residual.sum(dim=-1, keepdim=True) > 0  # [batch, 1]
     return torch.where(has_mass, residual, p)  # [batch, vocab]
-
-
-def _sample_categorical(weights: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One draw per row from ``weights / weights.sum(-1)`` (``[batch, vocab]`` non-negative, with
-    positive row sums) -> ``[batch]`` int64, without a host sync (``torch.multinomial`` can
-    synchronise with the host): :func:`verispec.sampling.sample`, which never draws a token of
-    weight zero."""
-    return sample(weights, generator)
 
 
 def _count_leading_true(mask: Tensor) -> Tensor:
