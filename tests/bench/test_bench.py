@@ -21,6 +21,7 @@ from verispec.bench.cli import run_and_report
 from verispec.bench.report import load_report
 from verispec.bench.runner import Settings
 from verispec.bench.workloads import OVERALL, load_workload
+from verispec.config import SamplingParams
 from verispec.cli import main
 from verispec.speculative import base
 from verispec.speculative.base import Proposal
@@ -271,6 +272,20 @@ def test_sampling_runs_report_no_identity_check(tmp_path, capsys):
     assert all(f["identical"] is None for by_cat in report["results"].values() for f in by_cat.values())
     assert report["goals"]["verispec_t0_identical"]["met"] is None
     assert all(r["output_tokens"] == 3 for r in report["runs"])
+
+
+def test_top_p_reaches_every_run_and_the_report(tmp_path, capsys):
+    settings = Settings(max_tokens=3, temperature=0.7, top_p=0.9, warmup=False, progress=False)
+    assert settings.params(5) == SamplingParams(temperature=0.7, top_p=0.9, max_tokens=3, seed=5)
+    with corrupt_registered():
+        report = make_runner(tmp_path)(tmp_path / "p", settings)
+    assert report["settings"]["top_p"] == 0.9
+    assert "top-p 0.9;" in (tmp_path / "p" / "report.md").read_text()
+    off = Settings(max_tokens=3, temperature=0.7, warmup=False, progress=False)
+    with corrupt_registered():
+        assert "top_p" not in make_runner(tmp_path)(tmp_path / "q", off)["settings"]  # old reports resume
+    with pytest.raises(ValueError, match="top_p"):
+        Settings(max_tokens=3, temperature=0.7, top_p=0.0)
 
 
 def test_adaptive_is_held_against_the_best_fixed_k_of_its_family(tmp_path, capsys):

@@ -137,6 +137,9 @@ def test_llamacpp_runner_stops_at_eos_or_max_tokens_and_samples_purely():
     assert ("seed", 7) in llm.calls
     kwargs = llm.calls[-1][2]
     assert (kwargs["temp"], kwargs["top_k"], kwargs["top_p"], kwargs["min_p"]) == (1.0, 0, 1.0, 0.0)
+    LlamaCppRunner(llm, frozenset([2])).generate([1], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=2))
+    kwargs = llm.calls[-1][2]
+    assert (kwargs["temp"], kwargs["top_k"], kwargs["top_p"], kwargs["min_p"]) == (0.7, 0, 0.9, 0.0)
 
 
 def test_llamacpp_prompt_lookup_keeps_a_logits_row_per_position(monkeypatch, tmp_path):

@@ -87,6 +87,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--max-turns", type=int, default=None,
                    help="run only the first N turns of each question (default: all, as Spec-Bench does)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, checked for identity (default: 0)")
+    b.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling for T > 0, as chat clients often ask (default: 1, off)")
     b.add_argument("--repeats", type=int, default=1, help="runs of every question per method (default: %(default)s)")
     b.add_argument("--seed", type=int, default=0, help="base seed for T > 0 (default: %(default)s)")
     b.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) CPU threads")
@@ -123,7 +125,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     specs = parse_methods(args.methods)
-    settings = Settings(max_tokens=args.max_tokens, temperature=args.temperature, repeats=args.repeats,
+    settings = Settings(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                        repeats=args.repeats,
                         seed=args.seed, warmup=not args.no_warmup, progress=not args.no_progress)
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     workload = load_workload(args.questions, categories, args.num_questions, args.max_turns)

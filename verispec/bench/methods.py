@@ -21,8 +21,8 @@ Syntax, one method per comma-separated item::
   ``--spec-type``, vLLM, another verispec) at ``URL`` (``http://host:port``), reported as
   ``openai:LABEL`` (default: the URL's host and port). Each turn is one streamed
   ``/v1/completions`` request whose prompt is the same token ids every other method gets (so
-  the server's own chat template plays no part), at the same temperature and ``max_tokens``,
-  with every other sampler off; the model is the first one the server lists. Prefill is the
+  the server's own chat template plays no part), at the same temperature, top-p and
+  ``max_tokens``, with every other sampler off; the model is the first one the server lists. Prefill is the
   time to the first streamed text (TTFT). The server returns text, not ids: the output ids are
   the text re-tokenized by the target's tokenizer (plus its EOS when the server stopped there),
   which equals the generated ids wherever the text round-trips. The usage of the last chunk
@@ -302,7 +302,8 @@ def hf_generate(model: Any, prompt_ids: list[int], **generate_kwargs: Any) -> Tu
 
 
 class HFRunner:
-    """transformers ``generate``: greedy at temperature 0, else pure sampling at that temperature."""
+    """transformers ``generate``: greedy at temperature 0, else sampling at that temperature and
+    top-p (no other filter)."""
 
     def __init__(self, model: Any, eos_token_ids: frozenset[int], options: dict[str, Any],
                  assistant: Any | None = None) -> None:
@@ -313,7 +314,7 @@ class HFRunner:
 
         # A fresh config, so no sampling default of the checkpoint (repetition penalty, top-k)
         # slips in; stops on the same EOS ids as verispec.
-        sampling = {} if params.greedy else {"temperature": params.temperature, "top_k": 0, "top_p": 1.0}
+        sampling = {} if params.greedy else {"temperature": params.temperature, "top_k": 0, "top_p": params.top_p}
         return GenerationConfig(
             max_new_tokens=params.max_tokens, do_sample=not params.greedy, num_beams=1,
             eos_token_id=self.eos or None, pad_token_id=self.eos[0] if self.eos else 0,
@@ -341,8 +342,8 @@ class LlamaCppRunner:
         out: list[int] = []
         first = None
         t0 = time.perf_counter()
-        # temp 0 is greedy in llama.cpp; otherwise pure sampling (no top-k/top-p/min-p/penalty).
-        for token in self.llm.generate(prompt_ids, temp=params.temperature, top_k=0, top_p=1.0, min_p=0.0,
+        # temp 0 is greedy in llama.cpp; otherwise sampling at the request's top-p (no top-k/min-p/penalty).
+        for token in self.llm.generate(prompt_ids, temp=params.temperature, top_k=0, top_p=params.top_p, min_p=0.0,
                                        repeat_penalty=1.0, reset=True):
             first = first or time.perf_counter()
             out.append(int(token))
@@ -376,11 +377,11 @@ class OpenAIRunner:
         self.eos = eos if eos is not None else min(tokenizer.eos_token_ids, default=None)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> TurnResult:
-        # Greedy at T = 0; otherwise pure sampling at T (top_k / min_p off: llama-server turns
-        # them on by default; vLLM and verispec accept both fields).
+        # Greedy at T = 0; otherwise sampling at T and the request's top-p (top_k / min_p off:
+        # llama-server turns them on by default; vLLM and verispec accept both fields).
         sampling: dict[str, Any] = {"temperature": params.temperature}
         if not params.greedy:
-            sampling.update(top_p=1.0, extra_body={"top_k": 0, "min_p": 0.0})
+            sampling.update(top_p=params.top_p, extra_body={"top_k": 0, "min_p": 0.0})
         if params.seed is not None:
             sampling["seed"] = params.seed
         pieces: list[str] = []

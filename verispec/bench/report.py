@@ -279,9 +279,11 @@ def report_header(specs: list[MethodSpec], workload: Workload, settings: Setting
     """What was asked for: settings, questions and methods (also what ``--resume`` checks)."""
     categories = list(dict.fromkeys(q.category for q in workload.questions))
     cut = {} if workload.max_turns is None else {"max_turns": workload.max_turns}  # absent when unset
+    nucleus = {"top_p": settings.top_p} if settings.top_p < 1 else {}  # absent when off
     return {
         "settings": {"max_tokens": settings.max_tokens, "temperature": settings.temperature,
-                     "repeats": settings.repeats, "seed": settings.seed, "warmup": settings.warmup, **cut},
+                     "repeats": settings.repeats, "seed": settings.seed, "warmup": settings.warmup, **cut,
+                     **nucleus},
         "workload": {"name": workload.name, "source": workload.source, "categories": categories,
                      "questions": [{"question_id": q.question_id, "category": q.category, "turns": len(q.turns)}
                                    for q in workload.questions]},
@@ -376,7 +378,9 @@ def render_markdown(report: dict) -> str:
         + f"; load average {_f(m['loadavg_start'])} at start, {_f(m.get('loadavg_end'))} at end",
         f"- model: {report['model']} ({report['dtype']}"
         + (f", {report['quantization']} weights" if report.get("quantization", "none") != "none" else "")
-        + f"); T = {s['temperature']:g}; up to {s['max_tokens']} tokens "
+        + f"); T = {s['temperature']:g}; "
+        + (f"top-p {s['top_p']:g}; " if s.get("top_p") else "")
+        + f"up to {s['max_tokens']} tokens "
         f"per turn; {s['repeats']} repeat(s); "
         + (f"first {s['max_turns']} turn(s) of each question; " if s.get("max_turns") else "")
         + f"workload {w['name']}: "

@@ -42,6 +42,7 @@ WARMUP_TOKENS = 8
 class Settings:
     max_tokens: int
     temperature: float = 0.0
+    top_p: float = 1.0  # nucleus sampling for T > 0 (1: off)
     repeats: int = 1
     seed: int = 0
     warmup: bool = True
@@ -50,10 +51,10 @@ class Settings:
     def __post_init__(self) -> None:
         if self.repeats < 1:
             raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
-        SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens)  # validates both
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)  # validates them
 
     def params(self, seed: int) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, max_tokens=self.max_tokens,
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
                               seed=None if self.temperature == 0 else seed)
 
 
