@@ -223,8 +223,8 @@ class DraftModelDrafter:
         for end in bounds:
             if end > start:
                 # the prompt in one pass from the start, as the target's prefill read it
-                self._forward(slot, ids[start:end],
-                              prefill=self.prompt_prefill and start == 0 and end == len(seq.prompt_ids))
+                self._next_logits(slot, ids[start:end],
+                                  prefill=self.prompt_prefill and start == 0 and end == len(seq.prompt_ids))
                 start = end
         seq.metrics.catch_up_time_s += time.perf_counter() - t0  # part of the round's drafting time
 
@@ -283,16 +283,16 @@ class DraftModelDrafter:
 
         def read(length: int) -> None:
             self.cache.reset(slot)
-            self._forward(slot, [token] * length, prefill=True)
+            self._next_logits(slot, [token] * length, prefill=True)
 
         reads = [(n, relative_time(lambda: read(n), reference))
                  for n in [n for n in self.CALIBRATION_READS if n <= room] or [max(room, 1)]]
-        step = relative_time(lambda: self._forward(slot, [token]), reference)  # after the last read
+        step = relative_time(lambda: self._next_logits(slot, [token]), reference)  # after the last read
         context = min(self.CALIBRATION_READS[0], room // 2)
         read(context)
 
         def resume(length: int) -> None:
-            self._forward(slot, [token] * length)
+            self._next_logits(slot, [token] * length)
             self.cache.truncate(slot, context)
 
         resumes = [(n, relative_time(lambda: resume(n), reference))
