@@ -7,13 +7,17 @@ fail them.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 import verispec.speculative.verify as verify_module
 from distribution import PROMPT, SETTINGS, exact_joint, goodness_of_fit, passes, sample_counts, target_and_draft
 from tiny import loaded
+from verispec import kernels
 from verispec.config import SpeculativeConfig
 from verispec.engine.engine import Engine
+from verispec.models.quant import quantize_
 from verispec.speculative.draft_model import DraftModelDrafter
 
 K = 2
@@ -24,9 +28,10 @@ def models():
     return target_and_draft()
 
 
-def draft_model_engine(target, draft, draft_vocab_size=None) -> Engine:
+def draft_model_engine(target, draft, draft_vocab_size=None, draft_head_quantization=None) -> Engine:
     vocab = target.config.vocab_size
-    drafter = DraftModelDrafter(loaded(draft), vocab, 64, draft_vocab_size=draft_vocab_size)
+    drafter = DraftModelDrafter(loaded(draft), vocab, 64, draft_vocab_size=draft_vocab_size,
+                                draft_head_quantization=draft_head_quantization)
     return Engine(loaded(target), SpeculativeConfig(method="draft_model", num_speculative_tokens=K, adaptive=False),
                   max_model_len=64, drafter=drafter)
 
@@ -63,13 +68,38 @@ def test_a_draft_scoring_half_the_vocabulary_keeps_the_plain_distribution(models
     assert passes(pvalue, tv)
 
 
-@pytest.mark.parametrize("draft_vocab_size", [None, 8], ids=["whole-vocabulary", "cut-vocabulary"])
-def test_wrong_recovery_rule_fails_the_same_test(models, monkeypatch, draft_vocab_size):
+@pytest.fixture(scope="module")
+def native_draft(models):
+    """The draft on the native kernels (Q4_1 layers, a Q8_0 head), for draft_head_quantization."""
+    if not kernels.available():
+        pytest.skip("native kernels unavailable (no compiler)")
+    return quantize_(copy.deepcopy(models[1]), "int4", native=True)
+
+
+def test_a_draft_with_its_head_requantized_to_q4_1_keeps_the_plain_distribution(models, native_draft):
+    """``draft_head_quantization="int4"``: q comes from a head whose weights differ from the
+    draft's own."""
+    target, _ = models
+    params = SETTINGS["temperature=1.0"]
+    engine = draft_model_engine(target, native_draft, draft_vocab_size=8, draft_head_quantization="int4")
+    counts = sample_counts(lambda p: engine.generate(PROMPT, p).output_ids, params)
+    pvalue, tv = goodness_of_fit(counts, exact_joint(target, params))
+    acceptance = engine.metrics.acceptance_rate
+    print(f"int4 head: acceptance {acceptance:.3f}, chi2 p={pvalue:.4f}, max marginal TV={tv:.4f}")
+    assert 0.2 < acceptance < 0.9
+    assert passes(pvalue, tv)
+
+
+@pytest.mark.parametrize("draft_vocab_size,head", [(None, None), (8, None), (8, "int4")],
+                         ids=["whole-vocabulary", "cut-vocabulary", "int4-head"])
+def test_wrong_recovery_rule_fails_the_same_test(models, monkeypatch, draft_vocab_size, head, request):
     """Negative control: recovering from p instead of normalize(max(p - q, 0)) is biased."""
     target, draft = models
+    if head is not None:
+        draft = request.getfixturevalue("native_draft")
     monkeypatch.setattr(verify_module, "_recovery_distribution", lambda p, q: p)
     params = SETTINGS["temperature=1.0"]
-    engine = draft_model_engine(target, draft, draft_vocab_size)
+    engine = draft_model_engine(target, draft, draft_vocab_size, head)
     counts = sample_counts(lambda p: engine.generate(PROMPT, p).output_ids, params)
     pvalue, tv = goodness_of_fit(counts, exact_joint(target, params))
     print(f"negative control: chi2 p={pvalue:.2e}, max marginal TV={tv:.4f}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from realmodels import GREEDY, MAX_MODEL_LEN, PROMPTS, prompt_ids
+from verispec import kernels
 from verispec.config import SpeculativeConfig
 from verispec.engine.engine import Engine
 from verispec.speculative.draft_model import DraftModelDrafter
@@ -36,7 +37,8 @@ def test_smollm2_ngram_and_self_draft_identical(smollm):
 def test_qwen_coder_1_5b_with_0_5b_draft_identical(qwen_target, qwen_draft, qwen_plain):
     target = qwen_target
     drafter = DraftModelDrafter(qwen_draft, target.model.config.vocab_size, MAX_MODEL_LEN)
-    assert drafter.vocab is not None and drafter.vocab.ranges[0] == (0, 100_256)  # the bundled draft's cut head
+    assert drafter.vocab is not None and drafter.vocab.ranges[0] == (0, 100_256)  # the bundled draft's cut head ...
+    assert [kernels.format_name(p.fmt) for p in drafter.vocab.head.parts] == ["Q4_1"]  # ... requantized
     spec_engine = Engine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=4, adaptive=False),
                          max_model_len=MAX_MODEL_LEN, drafter=drafter)
     accepted = 0

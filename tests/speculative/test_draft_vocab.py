@@ -1,7 +1,8 @@
 """A draft model that scores part of its vocabulary (``draft_vocab_size``) leaves the output the
 target's: the kept ids' logits are the full head's bit for bit, every other id gets -inf (q = 0
-there), and verification is exact for any q. The sampled distribution with a cut draft is tested
-in tests/engine/test_distribution.py."""
+there), and verification is exact for any q. So does a draft head requantized to Q4_1
+(``draft_head_quantization``), whose logits differ from the full head's. The sampled distribution
+with a cut draft and with a requantized head is tested in tests/engine/test_distribution.py."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
 from verispec.models.quant import quantize_
 from verispec.speculative.base import DrafterContext
-from verispec.speculative.draft_model import (DraftModelDrafter, DraftVocabulary, bundled_draft_vocab_size,
-                                              draft_model_drafter)
+from verispec.speculative.draft_model import (DraftModelDrafter, DraftVocabulary, bundled_draft_head_quantization,
+                                              bundled_draft_vocab_size, draft_model_drafter)
 
 VOCAB = 64
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]
@@ -170,3 +171,84 @@ def test_a_bad_draft_vocab_size_is_refused(bad):
     with pytest.raises(ValueError, match="draft_vocab_size must be a positive integer or null"):
         SpeculativeConfig(method="draft_model", draft_vocab_size=bad)
     assert SpeculativeConfig.from_json('{"method": "draft_model", "draft_vocab_size": 4096}').draft_vocab_size == 4096
+
+
+# ---- draft_head_quantization: the kept head requantized to Q4_1 ------------------------------
+
+
+@pytest.fixture(scope="module")
+def native_draft(target):
+    if not kernels.available():
+        pytest.skip("native kernels unavailable (no compiler)")
+    return quantize_(tiny_model(vocab=VOCAB, seed=2, noise_from=target, noise=0.15), "int4", native=True)
+
+
+@pytest.mark.parametrize("size", [24, VOCAB])
+def test_an_int4_head_multiplies_by_ggufs_q4_1_of_the_kept_rows(native_draft, size):
+    from gguf import GGMLQuantizationType, quants
+
+    vocab = DraftVocabulary(native_draft, size, special_ids=[60], target_vocab=VOCAB, quantization="int4")
+    keep = kept_mask(vocab, VOCAB)
+    full = native_draft.lm_head.dequantize()  # [V, H], the Q8_0 head as the kernels read it
+    q4_1 = GGMLQuantizationType(kernels.FORMATS["Q4_1"])
+    expected = torch.from_numpy(quants.dequantize(quants.quantize(full[keep].numpy(), q4_1), q4_1))
+    assert [kernels.format_name(p.fmt) for p in vocab.head.parts] == ["Q4_1"]
+    assert torch.equal(vocab.head.dequantize(), expected)
+    assert not torch.equal(expected, full[keep])  # a different weight, so a different q
+    x = torch.randn(5, native_draft.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits = vocab(x)
+    assert logits.shape == (5, vocab.size)
+    assert torch.allclose(logits, x @ expected.T, rtol=0.05, atol=0.05)  # int8 activations, per-block scales
+
+
+@pytest.mark.parametrize("size", [16, None])
+def test_greedy_output_with_an_int4_head_is_plain_decodings(target, native_draft, size):
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    plain = Engine(loaded(target), max_model_len=256).generate(PROMPT, params)
+    for k in (2, 5):
+        drafter = DraftModelDrafter(loaded(native_draft), VOCAB, 256, draft_vocab_size=size,
+                                    draft_head_quantization="int4")
+        assert kernels.format_name(drafter.vocab.head.parts[0].fmt) == "Q4_1"
+        spec = Engine(loaded(target), SpeculativeConfig(method="draft_model", num_speculative_tokens=k, adaptive=False),
+                      max_model_len=256, drafter=drafter).generate(PROMPT, params)
+        assert spec.output_ids == plain.output_ids
+        assert spec.metrics.num_accepted_tokens > 0
+
+
+def test_greedy_output_of_a_tree_draft_with_an_int4_head_is_plain_decodings(target, native_draft):
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    plain = Engine(loaded(target), max_model_len=256).generate(PROMPT, params)
+    config = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, speculative_eagle_topk=2,
+                               num_draft_tokens=5, adaptive=False, draft_head_quantization="int4")
+    drafter = draft_model_drafter(loaded(native_draft), config, DrafterContext(loaded(target), 256))
+    assert drafter.vocab.size == VOCAB and kernels.format_name(drafter.vocab.head.parts[0].fmt) == "Q4_1"
+    spec = Engine(loaded(target), config, max_model_len=256, drafter=drafter).generate(PROMPT, params)
+    assert spec.output_ids == plain.output_ids
+
+
+def test_bundled_qwen_drafts_requantize_their_head_by_default(target, native_draft):
+    assert bundled_draft_head_quantization("qwen2.5-coder-0.5b-instruct") == "int4"
+    assert bundled_draft_head_quantization("smollm2-135m-instruct") is None
+    assert bundled_draft_head_quantization("some/other-model") is None
+    named = loaded(native_draft, name="qwen2.5-coder-0.5b-instruct")  # the bundled defaults by name
+    drafter = DraftModelDrafter(named, VOCAB, 64)
+    assert kernels.format_name(drafter.vocab.head.parts[0].fmt) == "Q4_1"
+    assert DraftModelDrafter(named, VOCAB, 64, draft_head_quantization="none").vocab is None  # VOCAB < 100,256
+    assert DraftModelDrafter(loaded(native_draft), VOCAB, 64).vocab is None  # not bundled: the head as loaded
+    # a dense draft under a bundled name keeps its head as it is, rather than failing
+    dense = loaded(tiny_model(vocab=VOCAB, seed=2), name="qwen2.5-coder-0.5b-instruct")
+    assert DraftModelDrafter(dense, VOCAB, 64).vocab is None
+
+
+def test_an_int4_head_off_the_native_kernels_is_a_clear_error():
+    with pytest.raises(ValueError, match="draft_head_quantization 'int4' requantizes a head on the native kernels, "
+                                         "and this draft's LM head is Linear"):
+        DraftModelDrafter(loaded(tiny_model(vocab=VOCAB, seed=2)), VOCAB, 64, draft_head_quantization="int4")
+
+
+@pytest.mark.parametrize("bad", ["int8", "q4_1", 4, True])
+def test_a_bad_draft_head_quantization_is_refused(bad):
+    with pytest.raises(ValueError, match="draft_head_quantization must be one of none, int4 or null"):
+        SpeculativeConfig(method="draft_model", draft_head_quantization=bad)
+    config = SpeculativeConfig.from_json('{"method": "draft_model", "draft_head_quantization": "none"}')
+    assert config.draft_head_quantization == "none"

