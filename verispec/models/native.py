@@ -51,7 +51,7 @@ from verispec import kernels
 from verispec.kernels import KernelError, PackedWeight
 
 __all__ = ["NativeLinear", "use_gguf_weights_", "is_native", "float_activations_", "RepackCache",
-           "NATIVE_FORMATS", "native_unfit", "quantize_native_", "native_layer", "dense_prefill_pays"]
+           "NATIVE_FORMATS", "native_unfit", "quantize_native_", "gguf_quantized", "native_layer", "dense_prefill_pays"]
 
 # --quantization int8 / int4 of a dense checkpoint on the kernels: GGUF's Q8_0 (one fp16 scale
 # per 32 weights) and Q4_1 (a scale and a minimum per 32), quantized by gguf's own reference code.
@@ -491,22 +491,29 @@ def native_unfit(model: nn.Module, scheme: str, group_size: int) -> str | None:
     return None
 
 
+def gguf_quantized(weight: Tensor, bias: Tensor | None, fmt_name: str, *, keep_dense: bool = False,
+                   head: bool = False) -> NativeLinear:
+    """A layer on the kernels multiplying by ``weight`` [N, K] quantized to ``fmt_name`` (a
+    32-wide format: Q8_0, Q4_1, Q5_0) with gguf's reference quantizer. ``keep_dense``: with a
+    bf16 copy of the quantized weight for prompt prefill; ``head``: float32 logits out."""
+    from gguf import GGMLQuantizationType, quants
+
+    fmt = kernels.FORMATS[fmt_name]
+    n, k = weight.shape
+    part = kernels.repack(fmt, quants.quantize(weight.float().numpy(), GGMLQuantizationType(fmt)), n, k)
+    dense = kernels.dequantize(part).to(torch.bfloat16) if keep_dense else None
+    return NativeLinear([part], bias, dense, float_output=head)
+
+
 def quantize_native_(model: nn.Module, scheme: str, keep_dense: bool) -> None:
     """Quantize ``model``'s projections to ``NATIVE_FORMATS[scheme]`` and its LM head to Q8_0 with
     gguf's reference quantizers, and run them on the kernels (call :func:`native_unfit` first).
     ``keep_dense``: keep a bf16 copy of each projection's dequantized weight for prompt prefill."""
-    from gguf import GGMLQuantizationType, quants
-
     from verispec.models.quant import _as_linear
 
     def make(lin: nn.Linear, fmt_name: str, head: bool = False) -> NativeLinear:
-        fmt = kernels.FORMATS[fmt_name]
-        n, k = lin.out_features, lin.in_features
-        raw = quants.quantize(lin.weight.detach().float().numpy(), GGMLQuantizationType(fmt))
-        part = kernels.repack(fmt, raw, n, k)
-        dense = kernels.dequantize(part).to(torch.bfloat16) if keep_dense and not head else None
         bias = None if lin.bias is None else lin.bias.detach().float()
-        return NativeLinear([part], bias, dense, float_output=head)
+        return gguf_quantized(lin.weight.detach(), bias, fmt_name, keep_dense=keep_dense and not head, head=head)
 
     for layer, attr in _projections(model):
         setattr(layer, attr, make(getattr(layer, attr), NATIVE_FORMATS[scheme]))

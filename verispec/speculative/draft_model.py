@@ -37,7 +37,7 @@ from verispec import kernels
 from verispec.config import DRAFT_HEAD_QUANTIZATIONS, SpeculativeConfig
 from verispec.engine.sequence import Sequence, common_prefix
 from verispec.models.decoder import PREFILL_MIN_TOKENS, Decoder, invariant_linear
-from verispec.models.native import NativeLinear
+from verispec.models.native import NativeLinear, gguf_quantized
 from verispec.models.registry import BUNDLED_MODELS
 from verispec.sampling import logits_to_probs, sample
 from verispec.speculative.base import DrafterContext, Outcome, Proposal, register_drafter
@@ -168,19 +168,12 @@ def _cut_native(head: NativeLinear, ranges: list[tuple[int, int]]) -> NativeLine
 
 
 def _requantized(head: NativeLinear, fmt_name: str) -> NativeLinear:
-    """``head``'s weight as the kernels multiply by it, quantized to ``fmt_name`` by gguf's own
-    quantizer and repacked (a copy; ``head`` is left as it is)."""
-    from gguf import GGMLQuantizationType, quants
-
-    weight = head.dequantize()  # float32 [N, K]
-    n, k = weight.shape
-    fmt = kernels.FORMATS[fmt_name]
-    block = 32  # Q4_1's block
-    if k % block:
-        raise ValueError(f"draft_head_quantization: {fmt_name} needs a hidden size that is a multiple of {block}, "
-                         f"and this draft's is {k}")
-    raw = quants.quantize(weight.numpy(), GGMLQuantizationType(fmt))
-    return NativeLinear([kernels.repack(fmt, raw, n, k)], head.bias, None, float_output=True)
+    """``head``'s weight as the kernels multiply by it, quantized to ``fmt_name`` (a 32-wide
+    format) by gguf's own quantizer (a copy; ``head`` is left as it is)."""
+    if head.in_features % 32:
+        raise ValueError(f"draft_head_quantization: {fmt_name} needs a hidden size that is a multiple of 32, "
+                         f"and this draft's is {head.in_features}")
+    return gguf_quantized(head.dequantize(), head.bias, fmt_name, head=True)
 
 
 def bundled_draft_head_quantization(name: str) -> str | None:
