@@ -33,8 +33,12 @@ def target():
 @pytest.fixture(scope="module", params=["dense", "native"])
 def draft(request, target):
     """A draft close to the target, with a dense bf16 head or the native kernels' Q8_0 one."""
+    return close_draft(target, native=request.param == "native")
+
+
+def close_draft(target, native: bool):
     model = tiny_model(vocab=VOCAB, seed=2, noise_from=target, noise=0.15)
-    if request.param == "native":
+    if native:
         if not kernels.available():
             pytest.skip("native kernels unavailable (no compiler)")
         model = quantize_(model, "int4", native=True)
@@ -178,9 +182,7 @@ def test_a_bad_draft_vocab_size_is_refused(bad):
 
 @pytest.fixture(scope="module")
 def native_draft(target):
-    if not kernels.available():
-        pytest.skip("native kernels unavailable (no compiler)")
-    return quantize_(tiny_model(vocab=VOCAB, seed=2, noise_from=target, noise=0.15), "int4", native=True)
+    return close_draft(target, native=True)
 
 
 @pytest.mark.parametrize("size", [24, VOCAB])
