@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tiny import tiny_model
-from verispec.models.decoder import DecoderConfig, UnsupportedModelError
+from verispec.models import decoder
+from verispec.models.decoder import DecoderConfig, DecoderLayer, UnsupportedModelError
 from verispec.models.kv_cache import KVCache
 
 
@@ -46,6 +47,30 @@ def test_rows_are_batch_invariant(dtype):
     # 9 rows crossing a 16-entry attention block boundary (20..28 -> attend lengths 32).
     block = model(ids[:, 20:29], torch.arange(20, 29)[None], many)
     assert torch.equal(rows, block)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_prefill_runs_its_mlp_in_equal_row_blocks_with_the_same_result(dtype, monkeypatch):
+    """Over PREFILL_ROW_BLOCK rows, a prefill's output half runs in equal blocks of at most that
+    many rows (a speed measure, see the constant): same logits as one block, up to the GEMMs'
+    own rounding."""
+    model = tiny_model(seed=6, dtype=dtype)
+    ids = torch.randint(0, 48, (2, 300), generator=torch.Generator().manual_seed(2))  # 600 rows
+    positions = torch.arange(300).expand(2, -1)
+    blocks = []
+    real = DecoderLayer._output
+    monkeypatch.setattr(DecoderLayer, "_output", lambda self, x, a, p: blocks.append(x.shape[:2]) or real(self, x, a, p))
+    out = model(ids, positions, model.new_cache(320, num_slots=2), prefill=True)
+    assert blocks == [(1, 200)] * 3 * len(model.layers)  # 600 rows: three blocks of 200, per layer
+    blocks.clear()
+    monkeypatch.setattr(decoder, "PREFILL_ROW_BLOCK", 10_000)
+    whole = model(ids, positions, model.new_cache(320, num_slots=2), prefill=True)
+    assert blocks == [(2, 300)] * len(model.layers)
+    tol = 1e-4 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(out, whole, atol=tol, rtol=tol)
+    blocks.clear()
+    model(ids, positions, model.new_cache(320, num_slots=2))  # not a prefill: never in blocks
+    assert blocks == [(2, 300)] * len(model.layers)
 
 
 def test_rollback_then_redecode_equals_never_having_decoded():

@@ -168,6 +168,14 @@ def _rotate_half(x: Tensor) -> Tensor:
 # by plain and speculative decoding, so exactness is unaffected.
 PREFILL_MIN_TOKENS = 64
 
+# A prefill pass's output projection and MLP run on at most this many rows at a time (in equal
+# blocks): over all rows at once, the MLP's float32 intermediates (8960 x 2 wide for the 1.5B
+# model: 70 KB a row) leave the caches, and torch's elementwise ops between the GEMMs become
+# bound by memory. Measured on the AMX Xeon with the dense bf16 copies (1.5B, 2 threads,
+# alternated, medians of 3): a 700-token prompt 2.18 -> 1.76 s, 1,000 tokens 3.54 -> 2.75 s,
+# 500 tokens 1.44 -> 1.16 s; blocks of 64 or 128 rows were slower, 384 and 512 no faster.
+PREFILL_ROW_BLOCK = 256
+
 
 @functools.cache
 def cpu_has_native_bf16() -> bool:
@@ -401,7 +409,16 @@ class DecoderLayer(nn.Module):
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def output(self, x: Tensor, attn: Tensor, prefill: bool) -> Tensor:
-        """Output projection and MLP, each with its residual; attn is [B, T, H*D]. Row-wise."""
+        """Output projection and MLP, each with its residual; attn is [B, T, H*D]. Row-wise, so a
+        long prefill on the CPU runs it in balanced blocks of at most ``PREFILL_ROW_BLOCK`` rows."""
+        b, t, hidden = x.shape
+        if prefill and b * t > PREFILL_ROW_BLOCK and x.device.type == "cpu":
+            blocks = -(-b * t // PREFILL_ROW_BLOCK)
+            rows = zip(x.reshape(b * t, hidden).tensor_split(blocks), attn.reshape(b * t, -1).tensor_split(blocks))
+            return torch.cat([self._output(xs[None], a[None], prefill)[0] for xs, a in rows]).view(b, t, hidden)
+        return self._output(x, attn, prefill)
+
+    def _output(self, x: Tensor, attn: Tensor, prefill: bool) -> Tensor:
         if not prefill and all(isinstance(m, NativeLinear) for m in (self.o_proj, self.gate_up, self.down)):
             # the kernels add the residuals, apply the norm and make silu(gate) * up themselves
             x = self.o_proj(attn, residual=x)
