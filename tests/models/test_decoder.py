@@ -73,6 +73,26 @@ def test_a_long_prefill_runs_its_mlp_in_equal_row_blocks_with_the_same_result(dt
     assert blocks == [(2, 300)] * len(model.layers)
 
 
+@pytest.mark.parametrize("case", ["packed", "upcast"])
+def test_a_long_prefill_stays_whole_where_blocks_would_repeat_weight_work(case, monkeypatch):
+    """A packed layer without a dense copy runs its own kernel on a prefill, and a bf16 layer on
+    a CPU without native bf16 casts its weight to float32 for it: in blocks, each block would
+    pay that again, so their prefill keeps all rows in one block."""
+    from verispec.models.quant import quantize_
+
+    model = tiny_model(seed=6)
+    if case == "packed":
+        quantize_(model, "int8", dense_prefill=False, native=False)
+    else:
+        monkeypatch.setattr(decoder, "cpu_has_native_bf16", lambda: False)
+    blocks = []
+    real = DecoderLayer._output
+    monkeypatch.setattr(DecoderLayer, "_output", lambda self, x, a, p: blocks.append(x.shape[:2]) or real(self, x, a, p))
+    ids = torch.randint(0, 48, (1, 300), generator=torch.Generator().manual_seed(2))
+    model(ids, torch.arange(300)[None], model.new_cache(320), prefill=True)
+    assert blocks == [(1, 300)] * len(model.layers)
+
+
 def test_rollback_then_redecode_equals_never_having_decoded():
     model = tiny_model(seed=5, dtype=torch.float32)
     ids = torch.randint(0, 48, (1, 20), generator=torch.Generator().manual_seed(2))

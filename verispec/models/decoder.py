@@ -412,7 +412,12 @@ class DecoderLayer(nn.Module):
         """Output projection and MLP, each with its residual; attn is [B, T, H*D]. Row-wise, so a
         long prefill on the CPU runs it in balanced blocks of at most ``PREFILL_ROW_BLOCK`` rows."""
         b, t, hidden = x.shape
-        if prefill and b * t > PREFILL_ROW_BLOCK and x.device.type == "cpu":
+        # Only where the prefill's products are GEMMs on dense weights as they are: a packed
+        # layer's own kernel, or a product that casts its weight to float32 first (_upcast),
+        # would pay that work again per block.
+        dense = all(isinstance(m, nn.Linear) or getattr(m, "dense", None) is not None
+                    for m in (self.o_proj, self.gate_up, self.down))
+        if prefill and b * t > PREFILL_ROW_BLOCK and x.device.type == "cpu" and dense and not _upcast(x):
             blocks = -(-b * t // PREFILL_ROW_BLOCK)
             rows = zip(x.reshape(b * t, hidden).tensor_split(blocks), attn.reshape(b * t, -1).tensor_split(blocks))
             return torch.cat([self._output(xs[None], a[None], prefill)[0] for xs, a in rows]).view(b, t, hidden)
