@@ -92,6 +92,11 @@ class SpeculativeConfig:
     drafter is built, 0.625 bytes a weight against a Q8_0 head's 1.06; ``"none"`` runs the head as
     loaded. Only the draft's proposals can change, so the output stays the target's. None takes
     the bundled draft's own setting, if it has one, else ``"none"``.
+
+    ``enable_suffix_decoding`` (``draft_model``): each round first looks for a suffix draft (the
+    ``suffix_decoding_*`` settings) and proposes it when its score, the tokens it expects
+    accepted, is at least ``suffix_decoding_min_score``; otherwise the draft model drafts (see
+    :mod:`verispec.speculative.hybrid`).
     """
 
     method: str
@@ -115,14 +120,22 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_tokens: int = 100_000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # draft_model with suffix decoding first (verispec.speculative.hybrid): a round proposes the
+    # suffix draft when its score (expected accepted tokens) is at least min_score.
+    enable_suffix_decoding: bool = False
+    suffix_decoding_min_score: float = 2.0
     # Lookahead decoding: Jacobi window W, n-gram size N, guess set G (n-grams kept per token).
     lookahead_window_size: int = 4
     lookahead_ngram_size: int = 4
     lookahead_guess_set_size: int = 4
 
     def __post_init__(self) -> None:
-        if not isinstance(self.adaptive, bool):
-            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
+        for name in ("adaptive", "enable_suffix_decoding"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.enable_suffix_decoding and self.method != "draft_model":
+            raise ValueError(f'enable_suffix_decoding combines suffix decoding with "draft_model", not {self.method!r} '
+                             '(method "suffix" runs suffix decoding alone)')
         self._check_tree()
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "speculative_eagle_topk",
                      "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
@@ -154,7 +167,7 @@ class SpeculativeConfig:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
     def _check_suffix_decoding(self) -> None:
-        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "suffix_decoding_min_score"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"{name} must be a number, got {value!r}")
@@ -170,6 +183,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_decoding_max_spec_factor}"
             )
+        if self.suffix_decoding_min_score <= 0:
+            raise ValueError(f"suffix_decoding_min_score must be > 0, got {self.suffix_decoding_min_score}")
         if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
             raise ValueError(
                 f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_decoding_min_token_prob}"

@@ -26,6 +26,7 @@ only: the rule is exact for any q.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -40,7 +41,7 @@ from verispec.models.decoder import PREFILL_MIN_TOKENS, Decoder, invariant_linea
 from verispec.models.native import NativeLinear, gguf_quantized
 from verispec.models.registry import BUNDLED_MODELS
 from verispec.sampling import logits_to_probs, sample
-from verispec.speculative.base import DrafterContext, Outcome, Proposal, register_drafter
+from verispec.speculative.base import Drafter, DrafterContext, Outcome, Proposal, register_drafter
 from verispec.speculative.cost_model import relative_time
 
 if TYPE_CHECKING:
@@ -379,7 +380,7 @@ class DraftModelDrafter:
 
 
 @register_drafter("draft_model")
-def make_draft_model_drafter(config: SpeculativeConfig, context: DrafterContext) -> DraftModelDrafter:
+def make_draft_model_drafter(config: SpeculativeConfig, context: DrafterContext) -> Drafter:
     if not config.model:
         raise ValueError('method "draft_model" needs "model": a bundled name, HF directory or .gguf path')
     from verispec.models.loader import load_model  # the loader pulls in transformers; load lazily
@@ -391,13 +392,19 @@ def make_draft_model_drafter(config: SpeculativeConfig, context: DrafterContext)
     return draft_model_drafter(draft, config, context)
 
 
-def draft_model_drafter(draft: LoadedModel, config: SpeculativeConfig,
-                        context: DrafterContext) -> DraftModelDrafter:
-    """The chain or tree drafter that ``config`` asks for, over an already loaded draft model.
+def draft_model_drafter(draft: LoadedModel, config: SpeculativeConfig, context: DrafterContext) -> Drafter:
+    """The chain or tree drafter that ``config`` asks for, over an already loaded draft model,
+    with suffix decoding first if ``config.enable_suffix_decoding``.
 
     Callers that run several configurations on one draft model (the benchmark harness) load it
     once and build each drafter here; every drafter keeps its own KV cache.
     """
+    if config.enable_suffix_decoding:
+        from verispec.speculative.hybrid import SuffixFirstDrafter
+        from verispec.speculative.suffix import make_suffix_drafter
+
+        fallback = draft_model_drafter(draft, dataclasses.replace(config, enable_suffix_decoding=False), context)
+        return SuffixFirstDrafter(make_suffix_drafter(config), fallback, config.suffix_decoding_min_score)
     check_vocab_compatible(context.target, draft)
     vocab = context.target.model.config.vocab_size
     if config.is_tree:

@@ -242,12 +242,16 @@ class SuffixDrafter:
         self._requests[seq.slot] = _RequestState(self.depth, seq.token_ids)
 
     def propose(self, seq: Seq, k: int) -> Proposal:
+        return Proposal(self.draft(seq, k).tokens)
+
+    def draft(self, seq: Seq, k: int) -> SuffixDraft:
+        """The better of the request's and the global trie's drafts (by score, then length)."""
         context = seq.token_ids[-self.depth :]
         drafts = (
             trie.draft(context, k, self.max_spec_factor, self.min_token_prob)
             for trie in (self._requests[seq.slot].trie, self.store.trie)
         )
-        return Proposal(max(drafts, key=lambda d: (d.score, len(d.tokens))).tokens)
+        return max(drafts, key=lambda d: (d.score, len(d.tokens)))
 
     def feedback(self, seq: Seq, outcome: Outcome) -> None:
         self._requests[seq.slot].extend(outcome.committed)
@@ -258,7 +262,7 @@ class SuffixDrafter:
 
 
 @register_drafter("suffix")
-def make_suffix_drafter(config: SpeculativeConfig, context: DrafterContext) -> SuffixDrafter:
+def make_suffix_drafter(config: SpeculativeConfig, context: DrafterContext | None = None) -> SuffixDrafter:
     return SuffixDrafter(
         config.suffix_decoding_max_tree_depth,
         config.suffix_decoding_max_cached_requests,

@@ -1,0 +1,160 @@
+"""``enable_suffix_decoding``: suffix drafts first, the draft model otherwise, output unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import verispec.speculative.verify as verify_module
+from distribution import PROMPT as DIST_PROMPT
+from distribution import SETTINGS, exact_joint, goodness_of_fit, passes, sample_counts, target_and_draft
+from tiny import loaded, tiny_model
+from verispec.config import SamplingParams, SpeculativeConfig
+from verispec.engine.engine import Engine
+from verispec.speculative.base import DrafterContext, Outcome
+from verispec.speculative.draft_model import DraftModelDrafter, draft_model_drafter
+from verispec.speculative.hybrid import SuffixFirstDrafter
+
+# Repeats, so the suffix trie has something to draft from; the draft model drafts the rest.
+PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7, 9, 11, 5, 3]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=1)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return tiny_model(seed=2, noise_from=target, noise=0.15)
+
+
+def hybrid_config(k: int = 4, min_score: float = 1.0, **kw) -> SpeculativeConfig:
+    return SpeculativeConfig(method="draft_model", num_speculative_tokens=k, enable_suffix_decoding=True,
+                             suffix_decoding_min_score=min_score, **kw)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("k", [2, 5])
+def test_greedy_output_identical_to_plain_with_both_drafters_used(target, draft, k, adaptive):
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    plain = Engine(loaded(target), max_model_len=256).generate(PROMPT, params)
+    config = hybrid_config(k, adaptive=adaptive)
+    drafter = draft_model_drafter(loaded(draft), config, DrafterContext(loaded(target), 256))
+    assert isinstance(drafter, SuffixFirstDrafter) and isinstance(drafter.fallback, DraftModelDrafter)
+    engine = Engine(loaded(target), config, max_model_len=256, drafter=drafter)
+    for _ in range(2):  # the second request also drafts from the first one's output (the global trie)
+        spec = engine.generate(PROMPT, params)
+        assert spec.output_ids == plain.output_ids
+    if not adaptive:  # (the adaptive controller may find that no drafting pays for a tiny model)
+        assert drafter.suffix_rounds > 0 and drafter.fallback_rounds > 0
+        assert 0 < spec.metrics.num_accepted_tokens < spec.metrics.num_draft_tokens
+
+
+def test_a_suffix_draft_below_the_score_goes_to_the_draft_model(target, draft):
+    """min_score decides: the same request drafts from the draft model alone when no suffix
+    draft can reach it, and from the trie alone when every found draft does."""
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    counts = {}
+    for min_score in (1e-6, 1e6):
+        drafter = draft_model_drafter(loaded(draft), hybrid_config(4, min_score, adaptive=False),
+                                      DrafterContext(loaded(target), 256))
+        engine = Engine(loaded(target), hybrid_config(4, min_score, adaptive=False), max_model_len=256,
+                        drafter=drafter)
+        engine.generate(PROMPT, params)
+        counts[min_score] = (drafter.suffix_rounds, drafter.fallback_rounds)
+    assert counts[1e6][0] == 0 and counts[1e6][1] > 0
+    assert counts[1e-6][0] > 0 and counts[1e-6][0] > counts[1e6][0]
+
+
+def test_feedback_and_finish_reach_both_drafters(target, draft):
+    drafter = draft_model_drafter(loaded(draft), hybrid_config(), DrafterContext(loaded(target), 256))
+    calls = []
+    for name in ("suffix", "fallback"):
+        inner = getattr(drafter, name)
+        for method in ("start", "feedback", "finish"):
+            real = getattr(inner, method)
+            setattr(inner, method, lambda *a, _r=real, _n=(name, method): calls.append(_n) or _r(*a))
+    engine = Engine(loaded(target), hybrid_config(), max_model_len=256, drafter=drafter)
+    engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=20))
+    for method in ("start", "feedback", "finish"):
+        assert calls.count(("suffix", method)) == calls.count(("fallback", method)) > 0
+    # the draft model's own interface is the engine's to use (calibration, how to read prompts)
+    assert drafter.calibrate.__func__ is DraftModelDrafter.calibrate
+    assert drafter.reads_prompts_as.__func__ is DraftModelDrafter.reads_prompts_as
+
+
+def test_a_draft_model_that_sat_out_rounds_catches_up(target, draft):
+    """After suffix rounds the draft model's cache lags the sequence; its next draft reads the
+    missed tokens first, so it proposes what it would have with no suffix rounds at all."""
+    params = SamplingParams(temperature=0.0, max_tokens=30)
+    alone = DraftModelDrafter(loaded(draft), target.config.vocab_size, 256)
+    hybrid = draft_model_drafter(loaded(draft), hybrid_config(3, 1e-6, adaptive=False),
+                                 DrafterContext(loaded(target), 256))
+    engine = Engine(loaded(target), hybrid_config(3, 1e-6, adaptive=False), max_model_len=256, drafter=hybrid)
+    seq = engine.add_request(PROMPT, params)
+    while not seq.finished and hybrid.suffix_rounds < 3:
+        engine.step()
+    assert hybrid.suffix_rounds >= 3 and not seq.finished
+    alone.start(seq)
+    expected = alone.propose(seq, 3).tokens
+    assert hybrid.fallback.propose(seq, 3).tokens == expected
+    hybrid.fallback.feedback(seq, Outcome(3, 0, []))  # the round this test opened, closed unused
+    engine.abort(seq)
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="enable_suffix_decoding combines suffix decoding"):
+        SpeculativeConfig(method="ngram", enable_suffix_decoding=True)
+    with pytest.raises(ValueError, match="enable_suffix_decoding must be true or false"):
+        SpeculativeConfig(method="draft_model", enable_suffix_decoding="yes")
+    with pytest.raises(ValueError, match="suffix_decoding_min_score must be > 0"):
+        hybrid_config(min_score=0)
+    assert SpeculativeConfig.from_json('{"method": "draft_model", "model": "m", "enable_suffix_decoding": true, '
+                                       '"suffix_decoding_min_score": 1.5}').suffix_decoding_min_score == 1.5
+
+
+# ---- the sampled distribution --------------------------------------------------------------
+
+MIN_SCORE = 0.5  # low enough that the trie of earlier outputs drafts in many rounds
+
+
+@pytest.fixture(scope="module")
+def dist_models():
+    return target_and_draft()
+
+
+def dist_engine(target, draft):
+    config = hybrid_config(2, MIN_SCORE, adaptive=False, suffix_decoding_max_cached_requests=200)
+    drafter = draft_model_drafter(loaded(draft), config, DrafterContext(loaded(target), 64))
+    return Engine(loaded(target), config, max_model_len=64, drafter=drafter), drafter
+
+
+@pytest.mark.parametrize("wrong_recovery", [False, True], ids=["exact", "negative-control"])
+def test_sampled_output_keeps_the_plain_distribution(dist_models, wrong_recovery, monkeypatch):
+    """Suffix rounds (q one-hot) and draft-model rounds (q the draft's) in the same run; the
+    negative control recovers from p instead of the residual and must fail the same test."""
+    target, draft = dist_models
+    if wrong_recovery:
+        monkeypatch.setattr(verify_module, "_recovery_distribution", lambda p, q: p)
+    params = SETTINGS["temperature=1.0"]
+    engine, drafter = dist_engine(target, draft)
+    with torch.inference_mode():
+        counts = sample_counts(lambda p: engine.generate(DIST_PROMPT, p).output_ids, params)
+    pvalue, tv = goodness_of_fit(counts, exact_joint(target, params))
+    share = drafter.suffix_rounds / (drafter.suffix_rounds + drafter.fallback_rounds)
+    print(f"suffix rounds {share:.2f}, acceptance {engine.metrics.acceptance_rate:.3f}, chi2 p={pvalue:.2e}, TV={tv:.4f}")
+    assert 0.2 < share < 0.8  # both kinds of round are exercised
+    if wrong_recovery:  # (p = 6e-7 and TV 0.043 here: most rounds' drafts are rejected either way)
+        assert pvalue < 1e-4 and not passes(pvalue, tv)
+    else:
+        assert 0.1 < engine.metrics.acceptance_rate < 0.9  # drafts are kept and rejected
+        assert passes(pvalue, tv)
+
+
+def test_the_plain_config_is_unchanged(target, draft):
+    config = dataclasses.replace(hybrid_config(), enable_suffix_decoding=False)
+    assert isinstance(draft_model_drafter(loaded(draft), config, DrafterContext(loaded(target), 64)),
+                      DraftModelDrafter)
