@@ -20,6 +20,8 @@ Contracts:
   way, greedy or sampled.
 * What the engine asks of a drafter beyond the protocol (``calibrate``, ``reads_prompts_as``,
   ``hidden_layers``, ...) is the model-based drafter's: its costs are the ones worth measuring.
+  The controller sees one drafter, so the per-draft cost it learns from the rounds is an average
+  over both kinds, which is what a round costs in expectation while the mix holds.
 """
 
 from __future__ import annotations
