@@ -6,8 +6,8 @@ quote their document, code edits, agentic loops), the suffix trie drafts long ru
 target accepts; elsewhere it drafts little, and a draft model does better. So each round this
 drafter asks the suffix drafter first and proposes its draft when the draft's score (its
 expected number of accepted tokens under the trie's counts) is at least
-``suffix_decoding_min_score``; otherwise it asks the model-based drafter. Arctic Inference
-combines suffix decoding with its own speculators in the same way.
+``suffix_decoding_min_score``; otherwise it asks the model-based drafter. (Arctic Inference's
+Arctic Speculator also pairs suffix decoding with a model-based speculator.)
 
 Contracts:
 
