@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,9 +14,10 @@ from distribution import SETTINGS, exact_joint, goodness_of_fit, passes, sample_
 from tiny import loaded, tiny_model
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
-from verispec.speculative.base import DrafterContext, Outcome
+from verispec.speculative.base import DrafterContext, Outcome, Proposal
 from verispec.speculative.draft_model import DraftModelDrafter, draft_model_drafter
 from verispec.speculative.hybrid import SuffixFirstDrafter
+from verispec.speculative.suffix import SuffixDraft
 
 # Repeats, so the suffix trie has something to draft from; the draft model drafts the rest.
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7, 9, 11, 5, 3]
@@ -103,6 +105,51 @@ def test_a_draft_model_that_sat_out_rounds_catches_up(target, draft):
     assert hybrid.fallback.propose(seq, 3).tokens == expected
     hybrid.fallback.feedback(seq, Outcome(3, 0, []))  # the round this test opened, closed unused
     engine.abort(seq)
+
+
+class _Stub:
+    """A drafter that proposes ``tokens`` and counts its calls; as a suffix drafter, its drafts
+    score ``score``."""
+
+    def __init__(self, tokens, score=0.0):
+        self.tokens, self.score, self.proposed = tokens, score, 0
+
+    def draft(self, seq, k):
+        return SuffixDraft(self.tokens[:k], self.score, 4)
+
+    def propose(self, seq, k):
+        self.proposed += 1
+        return Proposal(self.tokens[:k])
+
+    def start(self, seq):
+        pass
+
+    def feedback(self, seq, outcome):
+        pass
+
+    def finish(self, seq):
+        pass
+
+
+def test_a_request_whose_suffix_drafts_fail_hands_its_rounds_to_the_draft_model():
+    suffix, model = _Stub([5, 6, 7], score=3.0), _Stub([9, 9, 9])
+    drafter = SuffixFirstDrafter(suffix, model, min_score=2.0)
+    seq, other = SimpleNamespace(slot=0), SimpleNamespace(slot=1)
+    drafter.start(seq)
+    drafter.start(other)
+    rounds = []
+    for _ in range(4):
+        proposal = drafter.propose(seq, 3)
+        rounds.append(proposal.tokens)
+        drafter.feedback(seq, Outcome(3, 0, [1]))  # every draft rejected
+    # score 3 x calibration: 1, then 0.7, then 0.49 (< 2/3): the draft model from the third round
+    assert rounds == [[5, 6, 7], [5, 6, 7], [9, 9, 9], [9, 9, 9]]
+    assert drafter.propose(other, 3).tokens == [5, 6, 7]  # another request keeps its own calibration
+    drafter.feedback(other, Outcome(3, 3, [5, 6, 7, 8]))
+    assert drafter.propose(other, 3).tokens == [5, 6, 7]
+    drafter.finish(seq)
+    drafter.start(seq)  # the slot's next request starts afresh
+    assert drafter.propose(seq, 3).tokens == [5, 6, 7]
 
 
 def test_config_checks():

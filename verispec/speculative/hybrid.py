@@ -29,19 +29,35 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from verispec.speculative.base import Drafter, Outcome, Proposal
+from verispec.speculative.cost_model import ema
 from verispec.speculative.suffix import SuffixDrafter
 
 if TYPE_CHECKING:
     from verispec.engine.sequence import Sequence
 
 
+# EMA weight of one suffix round in a request's calibration (accepted tokens over the score).
+CALIBRATION_WEIGHT = 0.3
+
+
 class SuffixFirstDrafter:
-    """Propose the suffix draft when it scores at least ``min_score``, else ``fallback``'s."""
+    """Propose the suffix draft when its calibrated score is at least ``min_score``, else
+    ``fallback``'s.
+
+    A trie's score trusts its counts, and a continuation seen once counts as certain, so on text
+    that shares short phrases with the prompt without copying it (a RAG answer) drafts scoring 2
+    or 3 were all rejected. So each request keeps a calibration, an EMA of the tokens its suffix
+    rounds had accepted over the scores they predicted (starting at 1), and the score is
+    multiplied by it before the comparison: a request whose suffix drafts fail hands its rounds
+    to the draft model.
+    """
 
     def __init__(self, suffix: SuffixDrafter, fallback: Drafter, min_score: float) -> None:
         self.suffix, self.fallback, self.min_score = suffix, fallback, min_score
         self.suffix_rounds = 0  # rounds that proposed the suffix draft
         self.fallback_rounds = 0  # rounds that asked the fallback
+        self._calibration: dict[int, float] = {}  # slot -> accepted / predicted, EMA
+        self._predicted: dict[int, float] = {}  # slot -> the score of the suffix draft under way
 
     def __getattr__(self, name: str) -> Any:
         # only reached for what this class does not define: the fallback's optional interface
@@ -50,22 +66,31 @@ class SuffixFirstDrafter:
         return getattr(self.fallback, name)
 
     def start(self, seq: Sequence) -> None:
+        self._calibration[seq.slot] = 1.0
+        self._predicted.pop(seq.slot, None)
         self.suffix.start(seq)
         self.fallback.start(seq)
 
     def propose(self, seq: Sequence, k: int) -> Proposal:
         draft = self.suffix.draft(seq, k)
-        if draft.tokens and draft.score >= self.min_score:
+        if draft.tokens and draft.score * self._calibration.get(seq.slot, 1.0) >= self.min_score:
             self.suffix_rounds += 1
+            self._predicted[seq.slot] = draft.score
             return Proposal(draft.tokens)
         self.fallback_rounds += 1
         return self.fallback.propose(seq, k)
 
     def feedback(self, seq: Sequence, outcome: Outcome) -> None:
+        predicted = self._predicted.pop(seq.slot, None)
+        if predicted is not None:
+            ratio = min(outcome.num_accepted / predicted, 1.0)
+            self._calibration[seq.slot] = ema(self._calibration.get(seq.slot, 1.0), ratio, CALIBRATION_WEIGHT)
         self.suffix.feedback(seq, outcome)
         self.fallback.feedback(seq, outcome)
 
     def finish(self, seq: Sequence) -> None:
+        self._calibration.pop(seq.slot, None)
+        self._predicted.pop(seq.slot, None)
         try:
             self.fallback.finish(seq)
         finally:
