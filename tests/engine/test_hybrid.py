@@ -11,7 +11,7 @@ import torch
 import verispec.speculative.verify as verify_module
 from distribution import PROMPT as DIST_PROMPT
 from distribution import SETTINGS, exact_joint, goodness_of_fit, passes, sample_counts, target_and_draft
-from tiny import loaded, tiny_model
+from tiny import loaded
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
 from verispec.speculative.base import DrafterContext, Outcome, Proposal
@@ -21,16 +21,6 @@ from verispec.speculative.suffix import SuffixDraft
 
 # Repeats, so the suffix trie has something to draft from; the draft model drafts the rest.
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7, 9, 11, 5, 3]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model(seed=1)
-
-
-@pytest.fixture(scope="module")
-def draft(target):
-    return tiny_model(seed=2, noise_from=target, noise=0.15)
 
 
 def hybrid_config(k: int = 4, min_score: float = 1.0, **kw) -> SpeculativeConfig:
