@@ -412,16 +412,18 @@ class DecoderLayer(nn.Module):
         """Output projection and MLP, each with its residual; attn is [B, T, H*D]. Row-wise, so a
         long prefill on the CPU runs it in balanced blocks of at most ``PREFILL_ROW_BLOCK`` rows."""
         b, t, hidden = x.shape
-        # Only where the prefill's products are GEMMs on dense weights as they are: a packed
-        # layer's own kernel, or a product that casts its weight to float32 first (_upcast),
-        # would pay that work again per block.
-        dense = all(isinstance(m, nn.Linear) or getattr(m, "dense", None) is not None
-                    for m in (self.o_proj, self.gate_up, self.down))
-        if prefill and b * t > PREFILL_ROW_BLOCK and x.device.type == "cpu" and dense and not _upcast(x):
+        if prefill and b * t > PREFILL_ROW_BLOCK and x.device.type == "cpu" and self._prefills_in_blocks(x):
             blocks = -(-b * t // PREFILL_ROW_BLOCK)
             rows = zip(x.reshape(b * t, hidden).tensor_split(blocks), attn.reshape(b * t, -1).tensor_split(blocks))
             return torch.cat([self._output(xs[None], a[None], prefill)[0] for xs, a in rows]).view(b, t, hidden)
         return self._output(x, attn, prefill)
+
+    def _prefills_in_blocks(self, x: Tensor) -> bool:
+        """Only where the prefill's products are GEMMs on dense weights as they are: a packed
+        layer's own kernel, or a product that casts its weight to float32 first (_upcast),
+        would pay that work again per block."""
+        return not _upcast(x) and all(isinstance(m, nn.Linear) or getattr(m, "dense", None) is not None
+                                      for m in (self.o_proj, self.gate_up, self.down))
 
     def _output(self, x: Tensor, attn: Tensor, prefill: bool) -> Tensor:
         if not prefill and all(isinstance(m, NativeLinear) for m in (self.o_proj, self.gate_up, self.down)):
