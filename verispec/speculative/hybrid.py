@@ -45,11 +45,12 @@ class SuffixFirstDrafter:
     ``fallback``'s.
 
     A trie's score trusts its counts, and a continuation seen once counts as certain, so on text
-    that shares short phrases with the prompt without copying it (a RAG answer) drafts scoring 2
-    or 3 were all rejected. So each request keeps a calibration, an EMA of the tokens its suffix
-    rounds had accepted over the scores they predicted (starting at 1), and the score is
-    multiplied by it before the comparison: a request whose suffix drafts fail hands its rounds
-    to the draft model.
+    that shares short phrases with the prompt without copying it (a RAG answer) only 0.2-0.4 of
+    the tokens of drafts scoring 2 or more were accepted, where the draft model keeps about 0.75
+    a position (docs/benchmarks/per-token-costs.md). So each request keeps a calibration, an EMA
+    of the tokens its suffix rounds had accepted over the scores they predicted (starting at 1
+    in ``start``), and the score is multiplied by it before the comparison: a request whose
+    suffix drafts fail hands its rounds to the draft model.
     """
 
     def __init__(self, suffix: SuffixDrafter, fallback: Drafter, min_score: float) -> None:
@@ -73,7 +74,7 @@ class SuffixFirstDrafter:
 
     def propose(self, seq: Sequence, k: int) -> Proposal:
         draft = self.suffix.draft(seq, k)
-        if draft.tokens and draft.score * self._calibration.get(seq.slot, 1.0) >= self.min_score:
+        if draft.tokens and draft.score * self._calibration[seq.slot] >= self.min_score:
             self.suffix_rounds += 1
             self._predicted[seq.slot] = draft.score
             return Proposal(draft.tokens)
@@ -84,7 +85,7 @@ class SuffixFirstDrafter:
         predicted = self._predicted.pop(seq.slot, None)
         if predicted is not None:
             ratio = min(outcome.num_accepted / predicted, 1.0)
-            self._calibration[seq.slot] = ema(self._calibration.get(seq.slot, 1.0), ratio, CALIBRATION_WEIGHT)
+            self._calibration[seq.slot] = ema(self._calibration[seq.slot], ratio, CALIBRATION_WEIGHT)
         self.suffix.feedback(seq, outcome)
         self.fallback.feedback(seq, outcome)
 
