@@ -35,6 +35,24 @@ def test_greedy_output_identical_to_plain(target, prompt, window, ngram, k):
     assert spec.metrics.num_draft_tokens > 0
 
 
+@pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["short", "long"])
+def test_adaptive_lookahead_prices_its_window_and_stays_identical(target, prompt):
+    """With the adaptive controller the engine hands the drafter its cost model, the gate judges
+    the window, and the output stays plain decoding's whichever way it goes."""
+    params = SamplingParams(temperature=0.0, max_tokens=80)
+    plain = Engine(loaded(target), max_model_len=512).generate(prompt, params)
+    config = SpeculativeConfig(method="lookahead", num_speculative_tokens=6, lookahead_window_size=3,
+                               lookahead_ngram_size=3, lookahead_guess_set_size=2)
+    engine = Engine(loaded(target), config, max_model_len=512)
+    engine.drafter.gate.probe, engine.drafter.gate.rest = 4, 8  # judge within one short request
+    assert engine.drafter.gate.costs is engine.controller.costs
+    spec = engine.generate(prompt, params)
+    assert spec.output_ids == plain.output_ids
+    assert engine.drafter.gate.rounds > 0  # the gate has counted rounds of a phase
+    # Without the controller the window is the user's fixed choice.
+    assert lookahead_engine(target, 2, 3, 3).drafter.gate.costs is None
+
+
 def test_full_context_skips_the_branch_and_ends_with_length(target):
     engine = lookahead_engine(target, 3, 4, 4, max_model_len=30)
     seq = engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=100))
@@ -45,6 +63,7 @@ def test_full_context_skips_the_branch_and_ends_with_length(target):
 def test_sampled_distribution_matches_plain():
     target = target_and_draft()[0]
     params = SETTINGS["temperature=1.0"]
+    # Bigrams (N = 2) and k = 2: the second draft is chained through the pool.
     engine = lookahead_engine(target, 2, 4, 2, guess=2, max_model_len=64)
     counts = sample_counts(lambda p: engine.generate(DIST_PROMPT, p).output_ids, params)
     pvalue, tv = goodness_of_fit(counts, exact_joint(target, params))

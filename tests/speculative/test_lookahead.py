@@ -1,4 +1,5 @@
-"""Tests for verispec.speculative.lookahead: the n-gram pool, the window's mask, and the aux branch."""
+"""Tests for verispec.speculative.lookahead: the n-gram pool and its chained drafts, the window's
+mask, the aux branch, and the gate that prices the window."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from tiny import loaded, tiny_model
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
 from verispec.speculative.base import Outcome, Proposal
-from verispec.speculative.lookahead import LookaheadDrafter, NgramPool, window_branch
+from verispec.speculative.cost_model import CostModel
+from verispec.speculative.lookahead import LookaheadDrafter, NgramPool, WindowGate, window_branch
 
 
 def test_pool_keeps_guess_most_recent_per_token() -> None:
@@ -18,6 +20,57 @@ def test_pool_keeps_guess_most_recent_per_token() -> None:
     # (1 -> 2 3) was re-added after (1 -> 4 5), and (1 -> 6 7) pushed the oldest, (4 5), out.
     assert pool.candidates(1) == [(6, 7), (2, 3)]
     assert pool.candidates(9) == []
+
+
+def test_pool_chains_continuations_up_to_k_and_marks_window_guesses() -> None:
+    pool = NgramPool(n=3, guess=2)
+    pool.add_all([1, 2, 3, 4, 5])  # 1 -> (2, 3), 2 -> (3, 4), 3 -> (4, 5)
+    pool.add([5, 8, 9], guessed=True)  # only the window has seen 5 -> (8, 9)
+    assert pool.chain(1, 6) == ([2, 3, 4, 5, 8, 9], [False, False, False, False, True, True])
+    assert pool.chain(1, 3) == ([2, 3, 4], [False, False, False])  # cut at k
+    assert pool.chain(9, 4) == ([], [])
+    # Seen in the text too, a guess is no longer the window's alone, whichever came first.
+    pool.add([5, 8, 9])
+    pool.add([3, 4, 5], guessed=True)
+    assert not pool.guessed(5, (8, 9)) and not pool.guessed(3, (4, 5))
+    # A cycle is cut by k.
+    loop = NgramPool(n=2, guess=1)
+    loop.add_all([7, 7])
+    assert loop.chain(7, 5) == ([7, 7, 7, 7, 7], [False] * 5)
+
+
+def timed_costs(t1: float = 0.040, per_position: float = 0.004) -> CostModel:
+    """A cost model that has timed verify passes of 1..20 positions on a line."""
+    costs = CostModel()
+    for n in range(1, 21):
+        costs.observe_target(n, t1 + per_position * (n - 1))
+    return costs
+
+
+def test_window_gate_runs_always_without_a_cost_model() -> None:
+    gate = WindowGate(probe=2, rest=3)
+    for _ in range(10):
+        assert gate.use()
+        gate.record(0, 2, 12)
+    assert gate.on
+
+
+def test_window_gate_switches_off_a_window_that_does_not_pay_and_probes_again() -> None:
+    gate = WindowGate(probe=4, rest=3)
+    gate.bind(timed_costs())  # 4 window tokens after 2 drafts: 0.4 of a step
+    assert gate.cost(2, 4) == pytest.approx(0.4)
+    for _ in range(3):  # not judged before ``probe`` rounds
+        assert gate.use()
+        gate.record(0, 2, 4)
+    assert gate.on
+    assert gate.use()
+    gate.record(1, 2, 4)  # 0.25 accepted guesses a round < 0.4
+    assert not gate.on
+    assert [gate.use() for _ in range(3)] == [False, False, False]  # ``rest`` rounds off
+    for _ in range(4):  # then a fresh probe
+        assert gate.use()
+        gate.record(1, 2, 4)  # 1 accepted guess a round: pays
+    assert gate.on and gate.use()
 
 
 def test_window_branch_mask_and_positions() -> None:

@@ -178,6 +178,8 @@ class Engine:
         self.needs_every_prompt_state = (self.hidden_layers is not None
                                          and not getattr(drafter, "last_prompt_state_only", False))
         self.controller = controller or build_controller(speculative)
+        if isinstance(self.controller, AdaptiveController) and hasattr(drafter, "bind_costs"):
+            drafter.bind_costs(self.controller.costs)  # lookahead prices its window with them
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
         self.prefix_caching = self._prefix_caching(prefix_caching)
         reads_prompts_as = getattr(drafter, "reads_prompts_as", None)

@@ -25,12 +25,27 @@ added. The window starts from random prompt tokens, as in the paper.
 The pool keeps at most ``G`` continuations (the guess set) per first token, most recent last.
 It also holds the n-grams of the request's own prompt and output, like the reference
 implementation's prompt pool. Proposals are chains: the most recent continuation of the last
-token is verified; verifying up to ``G`` of them at once comes with tree proposals.
+token, then the most recent continuation of that continuation's last token, and so on up to
+``k`` drafts (the paper stops at ``N - 1``; on text that repeats its prompt, a code edit, the
+chain is what makes long drafts). Verifying up to ``G`` candidates at once comes with tree
+proposals.
+
+The window is not free: its ``W * (N - 1)`` tokens ride in every verify pass, and where an extra
+verified position costs a tenth of a decode step (a CPU) they cost more than the n-grams only the
+window finds bring in. So with the adaptive controller the drafter prices the window with the
+controller's cost model (:class:`WindowGate`): the window runs for ``probe`` rounds, and stays on
+while the draft tokens accepted from n-grams that came from the window alone, per round, are
+worth at least the extra positions it adds (in decode steps, the cost model's ``T(n + 1 + m) -
+T(n + 1)`` over ``T(1)``); otherwise it is off for ``rest`` rounds, then probed again. Without
+the adaptive controller (``"adaptive": false``) the window always runs, as configured. Measured
+on the AMX Xeon, the window never paid on code edits or coding questions
+(docs/benchmarks/suffix.md).
 
 Exactness: the draft of a round is fixed before the round's verification, from tokens that are
 already committed and from logits of earlier passes, so it is a deterministic draft (q one-hot)
 and the standard verification rule is exact at every temperature. The window's own guesses use
-the target's argmax whatever the temperature; that only affects how often drafts are accepted.
+the target's argmax whatever the temperature, and whether the window runs depends on timings;
+both only affect how often drafts are accepted.
 """
 
 from __future__ import annotations
@@ -47,26 +62,51 @@ from verispec.speculative.base import AuxBranch, DrafterContext, Outcome, Propos
 
 if TYPE_CHECKING:
     from verispec.engine.sequence import Sequence as Seq
+    from verispec.speculative.cost_model import CostModel
 
-__all__ = ["NgramPool", "LookaheadDrafter", "window_branch"]
+__all__ = ["NgramPool", "LookaheadDrafter", "WindowGate", "window_branch"]
 
 
 class NgramPool:
-    """Continuations (``n - 1`` tokens) keyed by their preceding token, ``guess`` per key, LRU."""
+    """Continuations (``n - 1`` tokens) keyed by their preceding token, ``guess`` per key, LRU.
+
+    Each continuation remembers whether only the Jacobi window has produced it (``guessed``):
+    the window's worth is the accepted drafts it alone supplied.
+    """
 
     def __init__(self, n: int, guess: int) -> None:
         self.n, self.guess = n, guess
-        self._pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+        self._pool: dict[int, OrderedDict[tuple[int, ...], bool]] = {}  # token -> {continuation: guessed}
 
-    def add(self, gram: Sequence[int]) -> None:
+    def add(self, gram: Sequence[int], guessed: bool = False) -> None:
         if len(gram) != self.n:
             raise ValueError(f"expected a {self.n}-gram, got {len(gram)} tokens")
         entries = self._pool.setdefault(int(gram[0]), OrderedDict())
         key = tuple(int(x) for x in gram[1:])
-        entries[key] = None
+        entries[key] = guessed and entries.get(key, True)
         entries.move_to_end(key)
         if len(entries) > self.guess:
             entries.popitem(last=False)
+
+    def guessed(self, token: int, continuation: tuple[int, ...]) -> bool:
+        """Whether ``continuation`` of ``token`` came from the window alone (False if absent)."""
+        return self._pool.get(token, {}).get(continuation, False)
+
+    def chain(self, token: int, k: int) -> tuple[list[int], list[bool]]:
+        """Up to ``k`` drafts after ``token``: its most recent continuation, then that one's last
+        token's, and so on; with, per draft, whether its continuation was a window guess."""
+        drafts: list[int] = []
+        guessed: list[bool] = []
+        while len(drafts) < k:
+            entries = self._pool.get(token)
+            if not entries:
+                break
+            continuation = next(reversed(entries))
+            taken = continuation[: k - len(drafts)]
+            drafts.extend(taken)
+            guessed.extend([entries[continuation]] * len(taken))
+            token = drafts[-1]
+        return drafts, guessed
 
     def add_all(self, tokens: Sequence[int]) -> None:
         """Add every n-gram of ``tokens``."""
@@ -104,9 +144,64 @@ def window_branch(rows: list[list[int]], num_drafts: int) -> AuxBranch:
     return AuxBranch(tokens, positions, mask)
 
 
+class WindowGate:
+    """Whether the Jacobi window pays for its verify positions; one per drafter (engine-wide).
+
+    Args:
+        probe: window rounds that measure its yield before it may be switched off.
+        rest: rounds without the window before it is probed again.
+
+    Until :meth:`bind` hands it a cost model (the adaptive controller's), the window always runs.
+    """
+
+    def __init__(self, probe: int = 16, rest: int = 256) -> None:
+        if probe < 1 or rest < 1:
+            raise ValueError(f"probe and rest must be >= 1, got {probe} and {rest}")
+        self.probe, self.rest = probe, rest
+        self.costs: CostModel | None = None
+        self.on = True
+        self.rounds = 0  # rounds in the current phase (on: windowed rounds; off: rounds without)
+        self.tokens = 0.0  # on: accepted drafts from window-only n-grams per windowed round (mean, then EMA)
+
+    def bind(self, costs: CostModel) -> None:
+        self.costs = costs
+
+    def use(self) -> bool:
+        """Whether this round carries the window; counts a round of rest when it does not."""
+        if self.costs is None or self.on:
+            return True
+        self.rounds += 1
+        if self.rounds >= self.rest:
+            self.on, self.rounds, self.tokens = True, 0, 0.0
+        return False
+
+    def record(self, accepted_guesses: int, num_drafts: int, window_tokens: int) -> None:
+        """A windowed round: ``accepted_guesses`` drafts from window-only n-grams were accepted;
+        the pass held ``num_drafts`` drafts and ``window_tokens`` window tokens."""
+        if self.costs is None or not self.on:
+            return
+        self.rounds += 1
+        weight = 1.0 / min(self.rounds, self.probe)
+        self.tokens += weight * (accepted_guesses - self.tokens)
+        if self.rounds >= self.probe and self.tokens < self.cost(num_drafts, window_tokens):
+            self.on, self.rounds = False, 0
+
+    def cost(self, num_drafts: int, window_tokens: int) -> float:
+        """The window's extra positions in decode steps; 0 until the cost model has timings."""
+        t1 = self.costs.t1() if self.costs is not None else None
+        width = num_drafts + 1
+        full, bare = (self.costs.target_time(width + window_tokens), self.costs.target_time(width)) \
+            if t1 else (None, None)
+        if full is None or bare is None:
+            return 0.0
+        return max(full - bare, 0.0) / t1
+
+
 class _Request:
     def __init__(self, rows: list[list[int]], pool: NgramPool, tokens: list[int]) -> None:
         self.rows, self.pool, self.tokens = rows, pool, tokens
+        self.guessed: list[bool] = []  # per draft of the round under way: from a window-only n-gram
+        self.windowed = False  # the round under way carries the window
 
 
 class LookaheadDrafter:
@@ -115,6 +210,11 @@ class LookaheadDrafter:
     def __init__(self, window: int, ngram: int, guess: int, seed: int = 0) -> None:
         self.window, self.ngram, self.guess, self.seed = window, ngram, guess, seed
         self._requests: dict[int, _Request] = {}  # slot -> state
+        self.gate = WindowGate()
+
+    def bind_costs(self, costs: CostModel) -> None:
+        """The engine's adaptive controller's cost model: from now on the window must pay."""
+        self.gate.bind(costs)
 
     def start(self, seq: Seq) -> None:
         tokens = list(seq.token_ids)
@@ -126,9 +226,9 @@ class LookaheadDrafter:
 
     def propose(self, seq: Seq, k: int) -> Proposal:
         state = self._requests[seq.slot]
-        candidates = state.pool.candidates(seq.token_ids[-1])
-        drafts = list(candidates[0][:k]) if candidates else []
-        return Proposal(drafts, aux=window_branch(state.rows, len(drafts)))
+        drafts, state.guessed = state.pool.chain(seq.token_ids[-1], k)
+        state.windowed = self.gate.use()
+        return Proposal(drafts, aux=window_branch(state.rows, len(drafts)) if state.windowed else None)
 
     def feedback(self, seq: Seq, outcome: Outcome) -> None:
         state = self._requests[seq.slot]
@@ -138,7 +238,10 @@ class LookaheadDrafter:
         for end in range(max(before, self.ngram - 1), len(state.tokens)):
             state.pool.add(state.tokens[end - self.ngram + 1 : end + 1])
         if outcome.aux_logits is not None:
+            self.gate.record(sum(state.guessed[: outcome.num_accepted]), outcome.num_proposed,
+                             outcome.aux_logits.shape[0])
             self._jacobi_step(state, outcome.aux_logits)
+        state.guessed, state.windowed = [], False
 
     def _jacobi_step(self, state: _Request, aux_logits: torch.Tensor) -> None:
         guesses = aux_logits.argmax(-1).view(len(state.rows), self.window).tolist()  # [rows, W]
@@ -147,7 +250,7 @@ class LookaheadDrafter:
             state.rows.append(new_row)
             return
         for j in range(self.window):
-            state.pool.add([row[j] for row in state.rows] + [new_row[j]])
+            state.pool.add([row[j] for row in state.rows] + [new_row[j]], guessed=True)
         state.rows = state.rows[1:] + [new_row]
 
     def finish(self, seq: Seq) -> None:
