@@ -53,6 +53,25 @@ def test_adaptive_lookahead_prices_its_window_and_stays_identical(target, prompt
     assert lookahead_engine(target, 2, 3, 3).drafter.gate.costs is None
 
 
+def test_batched_lookahead_requests_stay_identical_to_plain(target):
+    """Several requests in one batch share the drafter's gate; each keeps its own window and
+    pool (a freed slot's included), and each output stays what plain decoding gives it alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    prompts = [PROMPT, LONG_PROMPT, [1, 2], PROMPT[::-1]]
+    alone = [Engine(loaded(target), max_model_len=512).generate(p, params).output_ids for p in prompts]
+    config = SpeculativeConfig(method="lookahead", num_speculative_tokens=5, lookahead_window_size=2,
+                               lookahead_ngram_size=3, lookahead_guess_set_size=2)
+    engine = Engine(loaded(target), config, max_model_len=512, max_num_seqs=3)
+    engine.drafter.gate.probe, engine.drafter.gate.rest = 3, 5
+    seqs = [engine.add_request(p, params) for p in prompts[:3]]
+    while engine.running:
+        engine.step()
+        if len(seqs) < len(prompts) and engine.free_slots:  # the fourth takes a freed slot
+            seqs.append(engine.add_request(prompts[3], params))
+    assert [s.output_ids for s in seqs] == alone
+    assert engine.metrics.num_draft_tokens > 0
+
+
 def test_full_context_skips_the_branch_and_ends_with_length(target):
     engine = lookahead_engine(target, 3, 4, 4, max_model_len=30)
     seq = engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=100))
