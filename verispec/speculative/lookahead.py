@@ -189,9 +189,10 @@ class WindowGate:
     def cost(self, num_drafts: int, window_tokens: int) -> float:
         """The window's extra positions in decode steps; 0 until the cost model has timings."""
         t1 = self.costs.t1() if self.costs is not None else None
+        if not t1:
+            return 0.0
         width = num_drafts + 1
-        full, bare = (self.costs.target_time(width + window_tokens), self.costs.target_time(width)) \
-            if t1 else (None, None)
+        full, bare = self.costs.target_time(width + window_tokens), self.costs.target_time(width)
         if full is None or bare is None:
             return 0.0
         return max(full - bare, 0.0) / t1
@@ -201,7 +202,6 @@ class _Request:
     def __init__(self, rows: list[list[int]], pool: NgramPool, tokens: list[int]) -> None:
         self.rows, self.pool, self.tokens = rows, pool, tokens
         self.guessed: list[bool] = []  # per draft of the round under way: from a window-only n-gram
-        self.windowed = False  # the round under way carries the window
 
 
 class LookaheadDrafter:
@@ -227,8 +227,7 @@ class LookaheadDrafter:
     def propose(self, seq: Seq, k: int) -> Proposal:
         state = self._requests[seq.slot]
         drafts, state.guessed = state.pool.chain(seq.token_ids[-1], k)
-        state.windowed = self.gate.use()
-        return Proposal(drafts, aux=window_branch(state.rows, len(drafts)) if state.windowed else None)
+        return Proposal(drafts, aux=window_branch(state.rows, len(drafts)) if self.gate.use() else None)
 
     def feedback(self, seq: Seq, outcome: Outcome) -> None:
         state = self._requests[seq.slot]
@@ -241,7 +240,7 @@ class LookaheadDrafter:
             self.gate.record(sum(state.guessed[: outcome.num_accepted]), outcome.num_proposed,
                              outcome.aux_logits.shape[0])
             self._jacobi_step(state, outcome.aux_logits)
-        state.guessed, state.windowed = [], False
+        state.guessed = []
 
     def _jacobi_step(self, state: _Request, aux_logits: torch.Tensor) -> None:
         guesses = aux_logits.argmax(-1).view(len(state.rows), self.window).tolist()  # [rows, W]
