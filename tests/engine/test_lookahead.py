@@ -13,9 +13,17 @@ from realmodels import GREEDY, MAX_MODEL_LEN, PROMPTS, prompt_ids
 from tiny import loaded
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
+from verispec.speculative.controller import AdaptiveController
 
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]
 LONG_PROMPT = [(5 * i * i + 3) % 48 for i in range(70)] + PROMPT
+
+
+class AlwaysDrafts(AdaptiveController):
+    """An adaptive controller (so the engine hands the drafter its costs) that drafts every round."""
+
+    def choose_k(self, seq, k_max: int) -> int:
+        return k_max
 
 
 def lookahead_engine(model, k: int, window: int, ngram: int, guess: int = 4, max_model_len: int = 512) -> Engine:
@@ -35,20 +43,29 @@ def test_greedy_output_identical_to_plain(target, prompt, window, ngram, k):
     assert spec.metrics.num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("prompt", [PROMPT, LONG_PROMPT], ids=["short", "long"])
-def test_adaptive_lookahead_prices_its_window_and_stays_identical(target, prompt):
-    """With the adaptive controller the engine hands the drafter its cost model, the gate judges
-    the window, and the output stays plain decoding's whichever way it goes."""
+@pytest.mark.parametrize("price,expected", [(0.0, {True}), (1e9, {True, False})], ids=["pays", "does-not-pay"])
+def test_adaptive_lookahead_prices_its_window_and_stays_identical(target, price, expected):
+    """With the adaptive controller the engine hands the drafter its cost model and the gate
+    judges the window (its price pinned and every round drafting, so nothing hangs on timings): a window
+    that pays stays on, one that does not goes off after its probe. The output is plain decoding's
+    either way."""
     params = SamplingParams(temperature=0.0, max_tokens=80)
-    plain = Engine(loaded(target), max_model_len=512).generate(prompt, params)
+    plain = Engine(loaded(target), max_model_len=512).generate(LONG_PROMPT, params)
     config = SpeculativeConfig(method="lookahead", num_speculative_tokens=6, lookahead_window_size=3,
                                lookahead_ngram_size=3, lookahead_guess_set_size=2)
-    engine = Engine(loaded(target), config, max_model_len=512)
-    engine.drafter.gate.probe, engine.drafter.gate.rest = 4, 8  # judge within one short request
-    assert engine.drafter.gate.costs is engine.controller.costs
-    spec = engine.generate(prompt, params)
+    engine = Engine(loaded(target), config, max_model_len=512, controller=AlwaysDrafts())
+    gate = engine.drafter.gate
+    assert gate.costs is engine.controller.costs
+    gate.probe, gate.rest = 4, 1000
+    gate.cost = lambda num_drafts, window_tokens: price
+    used: list[bool] = []
+    use = gate.use
+    gate.use = lambda: used.append(use()) or used[-1]
+    spec = engine.generate(LONG_PROMPT, params)
     assert spec.output_ids == plain.output_ids
-    assert engine.drafter.gate.rounds > 0  # the gate has counted rounds of a phase
+    assert set(used) == expected
+    if False in used:
+        assert used.index(False) >= gate.probe  # not before the probe's rounds
     # Without the controller the window is the user's fixed choice.
     assert lookahead_engine(target, 2, 3, 3).drafter.gate.costs is None
 
@@ -61,7 +78,7 @@ def test_batched_lookahead_requests_stay_identical_to_plain(target):
     alone = [Engine(loaded(target), max_model_len=512).generate(p, params).output_ids for p in prompts]
     config = SpeculativeConfig(method="lookahead", num_speculative_tokens=5, lookahead_window_size=2,
                                lookahead_ngram_size=3, lookahead_guess_set_size=2)
-    engine = Engine(loaded(target), config, max_model_len=512, max_num_seqs=3)
+    engine = Engine(loaded(target), config, max_model_len=512, max_num_seqs=3, controller=AlwaysDrafts())
     engine.drafter.gate.probe, engine.drafter.gate.rest = 3, 5
     seqs = [engine.add_request(p, params) for p in prompts[:3]]
     while engine.running:
