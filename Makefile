@@ -65,7 +65,7 @@ bench-adaptive: setup
 	$(VENV)/bin/verispec bench adaptive $(RESUME)
 
 bench-suffix: setup
-	$(VENV)/bin/verispec bench suffix --quantization int4 --num-prompts 8 --questions 2 --max-tokens 96
+	$(VENV)/bin/verispec bench suffix --questions 8 --max-tokens 192
 
 bench-tree: setup
 	$(VENV)/bin/verispec bench tree --num-questions 10 --max-tokens 48 --depth 5 \
