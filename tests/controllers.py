@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from verispec.speculative.controller import FixedK
+from verispec.speculative.controller import AdaptiveController, FixedK
 
 
 class RandomBudget(FixedK):
@@ -19,3 +19,11 @@ class RandomBudget(FixedK):
         m = self.rng.randint(1, len(values))
         self.kept.append((m, len(values)))
         return m
+
+
+class AlwaysDrafts(AdaptiveController):
+    """An adaptive controller (so the engine hands a drafter its cost model) that drafts the
+    most allowed every round, whatever the costs say."""
+
+    def choose_k(self, seq, k_max: int) -> int:
+        return k_max

@@ -7,23 +7,16 @@ from __future__ import annotations
 
 import pytest
 
+from controllers import AlwaysDrafts
 from distribution import PROMPT as DIST_PROMPT
 from distribution import SETTINGS, exact_joint, goodness_of_fit, passes, sample_counts, target_and_draft
 from realmodels import GREEDY, MAX_MODEL_LEN, PROMPTS, prompt_ids
 from tiny import loaded
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
-from verispec.speculative.controller import AdaptiveController
 
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]
 LONG_PROMPT = [(5 * i * i + 3) % 48 for i in range(70)] + PROMPT
-
-
-class AlwaysDrafts(AdaptiveController):
-    """An adaptive controller (so the engine hands the drafter its costs) that drafts every round."""
-
-    def choose_k(self, seq, k_max: int) -> int:
-        return k_max
 
 
 def lookahead_engine(model, k: int, window: int, ngram: int, guess: int = 4, max_model_len: int = 512) -> Engine:

@@ -32,7 +32,7 @@ def test_pool_chains_continuations_up_to_k_and_marks_window_guesses() -> None:
     # Seen in the text too, a guess is no longer the window's alone, whichever came first.
     pool.add([5, 8, 9])
     pool.add([3, 4, 5], guessed=True)
-    assert not pool.guessed(5, (8, 9)) and not pool.guessed(3, (4, 5))
+    assert pool.chain(5, 2) == ([8, 9], [False, False]) and pool.chain(3, 2) == ([4, 5], [False, False])
     # A cycle is cut by k.
     loop = NgramPool(n=2, guess=1)
     loop.add_all([7, 7])

@@ -88,10 +88,6 @@ class NgramPool:
         if len(entries) > self.guess:
             entries.popitem(last=False)
 
-    def guessed(self, token: int, continuation: tuple[int, ...]) -> bool:
-        """Whether ``continuation`` of ``token`` came from the window alone (False if absent)."""
-        return self._pool.get(token, {}).get(continuation, False)
-
     def chain(self, token: int, k: int) -> tuple[list[int], list[bool]]:
         """Up to ``k`` drafts after ``token``: its most recent continuation, then that one's last
         token's, and so on; with, per draft, whether its continuation was a window guess."""
