@@ -105,6 +105,12 @@ struct QActs {
   // k % 4 >= 2 (the high int16), the two halves of a 4-byte group that AVX2's maddubs adds into
   // its two int16 lanes (the 256-bit kernels take the offset formats' offset out of those lanes)
   const int32_t* hp;
+  // The integer offset's term of the contract, -o * bsum_j, made once per call for the two
+  // formats with one: [K / 16][mp] for Q6_K (o = 32, subs of 16) and [K / 32][mp] for Q5_0
+  // (o = 16, subs of 32). The AVX512 loop starts a sub's sum from it (a load that broadcasts),
+  // where subtracting it after the dot products took two vector instructions per row and sub.
+  const int32_t* off16;
+  const int32_t* off32;
 
   const int8_t* qb(int64_t blk, int64_t row) const { return q + (blk * mp + row) * 32; }
   // The sum of q over sub j (of size sub) of superblock s (of size kb), row m.
