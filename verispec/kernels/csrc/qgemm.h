@@ -107,8 +107,9 @@ struct QActs {
   const int32_t* hp;
   // The integer offset's term of the contract, -o * bsum_j, made once per call for the two
   // formats with one: [K / 16][mp] for Q6_K (o = 32, subs of 16) and [K / 32][mp] for Q5_0
-  // (o = 16, subs of 32). The AVX512 loop starts a sub's sum from it (a load that broadcasts),
-  // where subtracting it after the dot products took two vector instructions per row and sub.
+  // (o = 16, subs of 32). The VNNI loops (AVX512, AVX-VNNI) start a sub's sum from it (a load
+  // that broadcasts), where subtracting it after the dot products took two vector instructions
+  // per row and sub.
   const int32_t* off16;
   const int32_t* off32;
 

@@ -144,7 +144,17 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
       prefetch_step(pq);
       __m256i i0[R], i1[R];
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) i0[r] = i1[r] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r) {
+        // an offset format not centered in int16 (AVX-VNNI) starts from the offset's term,
+        // -o * bsum_j (QActs::off16, off32), instead of subtracting it after the dot products
+        if constexpr (OFF != 0 && !CENTER) {
+          static_assert(OFF == (SUB == 16 ? 32 : 16), "the offsets QActs holds: Q6_K's and Q5_0's");
+          i0[r] = i1[r] = _mm256_set1_epi32(SUB == 16 ? a.off16[(s * (KB / 16) + j) * a.mp + m0 + r]
+                                                      : a.off32[blk * a.mp + m0 + r]);
+        } else {
+          i0[r] = i1[r] = _mm256_setzero_si256();
+        }
+      }
 #pragma GCC unroll 8
       for (int c0 = 0; c0 < GPS; c0 += CH) {  // CH groups per int16 chunk (1: straight to int32)
         __m256i t0[R], t1[R];
@@ -201,11 +211,6 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         float* y = acc + (m0 + r) * kTile;
-        if (OFF && !CENTER) {
-          const __m256i o = _mm256_set1_epi32(OFF * a.bsum(m0 + r, s, KB, j, SUB));
-          i0[r] = _mm256_sub_epi32(i0[r], o);
-          i1[r] = _mm256_sub_epi32(i1[r], o);
-        }
         const __m256 dxj = _mm256_set1_ps(a.dx[blk * a.mp + m0 + r]);
         __m256 y0 = _mm256_fmadd_ps(dl0, _mm256_mul_ps(_mm256_cvtepi32_ps(i0[r]), dxj), _mm256_loadu_ps(y));
         __m256 y1 = _mm256_fmadd_ps(dl1, _mm256_mul_ps(_mm256_cvtepi32_ps(i1[r]), dxj), _mm256_loadu_ps(y + 8));
