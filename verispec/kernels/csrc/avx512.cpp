@@ -1,26 +1,16 @@
 // AVX512 path (F, BW, VL, VNNI): one tile superblock is 64-byte groups, one zmm each, read
 // straight from the packed tile (no scratch copy).
 // Per row and group: vpdpbusd (u8 weight x s8 activation, 4 products per int32 column lane),
-// and per sub the fp32 steps of the contract. Signed weights (Q8_0) move their signs onto the
-// activations first. Integer sums and the fp32 epilogue follow the contract in qgemm.h.
+// and per sub the fp32 steps of the contract. Signed weights (Q8_0) are read as unsigned bytes
+// (w + 128), each sum starting from -128 * bsum. Integer sums and the fp32 epilogue follow the
+// contract in qgemm.h.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")
 #include <immintrin.h>
-
-#include <cstring>
 
 #include "qgemm.h"
 #include "scales512.h"
 
 namespace verispec {
-
-// Four activation bytes in every 32-bit lane. The integer broadcast (vpbroadcastd), not the
-// float one (vbroadcastss) that feeds an integer dot product: on Zen 4 the float form made a
-// dpbusd chain of 4-12 rows about 20% slower (0.40 against 0.33 ns a dpbusd, one core).
-static inline __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
 
 // The high bits of group g (HB of them, HB > 0: Q6_K 2, Q5_0 1) moved to bits 4 and up of each
 // byte, from a high-bit block h (see the layout in qgemm.h). The shifts are 16-bit; the mask
@@ -33,10 +23,10 @@ static inline __m512i high_bits(__m512i h) {
 }
 
 // Groups g and g + 1 of a tile superblock as dpbusd's unsigned operand: both nibbles of one
-// 64-byte load (4-bit formats; with HB, joined with their high bits), or two loads; for Q8_0 the
-// magnitudes, with the signs in neg. G: the superblock's groups.
+// 64-byte load (4-bit formats; with HB, joined with their high bits), or two loads (Q8_0, as
+// w + 128). G: the superblock's groups.
 template <bool NIB, int HB, bool SIGNED, int G, int GI>  // GI: g % (8 / HB), a constant
-static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* w1, __mmask64* n0, __mmask64* n1) {
+static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* w1) {
   if constexpr (NIB || HB) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     const __m512i v = _mm512_loadu_si512(tile + 32 * g);  // byte block g / 2
@@ -48,12 +38,11 @@ static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* 
       *w1 = _mm512_or_si512(*w1, high_bits<HB, GI + 1>(h));
     }
   } else {
-    const __m512i v0 = _mm512_loadu_si512(tile + 64 * g), v1 = _mm512_loadu_si512(tile + 64 * g + 64);
+    // Q8_0 as unsigned bytes, w + 128 (the top bit flipped); each sum starts from -128 * bsum
     static_assert(SIGNED, "Q8_0 is the one 8-bit format");
-    *n0 = _mm512_movepi8_mask(v0);
-    *n1 = _mm512_movepi8_mask(v1);
-    *w0 = _mm512_abs_epi8(v0);
-    *w1 = _mm512_abs_epi8(v1);
+    const __m512i top = _mm512_set1_epi8((char)0x80);
+    *w0 = _mm512_xor_si512(_mm512_loadu_si512(tile + 64 * g), top);
+    *w1 = _mm512_xor_si512(_mm512_loadu_si512(tile + 64 * g + 64), top);
   }
 }
 
@@ -95,8 +84,11 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
     __m512i part[P][R];
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      // a format with an integer offset starts from its term, -o * bsum_j (QActs::off16, off32)
-      if constexpr (OFF != 0) {
+      // a format with an integer offset starts from its term, -o * bsum_j (QActs::off16, off32),
+      // and Q8_0, read as w + 128, from -128 * bsum_j (off128)
+      if constexpr (SIGNED) {
+        part[0][r] = _mm512_set1_epi32(a.off128[blk * a.mp + m0 + r]);
+      } else if constexpr (OFF != 0) {
         static_assert(OFF == (SUB == 16 ? 32 : 16), "the offsets QActs holds: Q6_K's and Q5_0's");
         part[0][r] = _mm512_set1_epi32(SUB == 16 ? a.off16[(s * (KB / 16) + j) * a.mp + m0 + r] : a.off32[blk * a.mp + m0 + r]);
       } else {
@@ -108,29 +100,20 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
     for (int gg = 0; gg < GPS; gg += 2) {  // GPS is a multiple of P, so g % P == gg % P
       const int g = j * GPS + gg;
       __m512i w0, w1;
-      __mmask64 n0 = 0, n1 = 0;
       // the group's place in its high block is gg % per (GPS is a multiple of per), a constant
       // once the loop is unrolled; spelled as a switch so that the shifts are immediates
       constexpr int per = HB ? 8 / HB : 8;
       switch (gg % per) {
-        case 0: group_pair<NIB, HB, SIGNED, KB / 4, 0>(tile, g, &w0, &w1, &n0, &n1); break;
-        case 2: group_pair<NIB, HB, SIGNED, KB / 4, 2>(tile, g, &w0, &w1, &n0, &n1); break;
-        case 4: group_pair<NIB, HB, SIGNED, KB / 4, 4>(tile, g, &w0, &w1, &n0, &n1); break;
-        default: group_pair<NIB, HB, SIGNED, KB / 4, 6>(tile, g, &w0, &w1, &n0, &n1); break;
+        case 0: group_pair<NIB, HB, SIGNED, KB / 4, 0>(tile, g, &w0, &w1); break;
+        case 2: group_pair<NIB, HB, SIGNED, KB / 4, 2>(tile, g, &w0, &w1); break;
+        case 4: group_pair<NIB, HB, SIGNED, KB / 4, 4>(tile, g, &w0, &w1); break;
+        default: group_pair<NIB, HB, SIGNED, KB / 4, 6>(tile, g, &w0, &w1); break;
       }
 #pragma GCC unroll 12
       for (int r = 0; r < R; ++r) {
         const int8_t* x = xj + kActBlock * r + 4 * gg;
-        if constexpr (SIGNED) {
-          __m512i x0 = bcast4(x), x1 = bcast4(x + 4);
-          x0 = _mm512_mask_sub_epi8(x0, n0, _mm512_setzero_si512(), x0);
-          x1 = _mm512_mask_sub_epi8(x1, n1, _mm512_setzero_si512(), x1);
-          part[gg % P][r] = _mm512_dpbusd_epi32(part[gg % P][r], w0, x0);
-          part[(gg + 1) % P][r] = _mm512_dpbusd_epi32(part[(gg + 1) % P][r], w1, x1);
-        } else {
-          part[gg % P][r] = dpbusd_bcast(part[gg % P][r], w0, x);
-          part[(gg + 1) % P][r] = dpbusd_bcast(part[(gg + 1) % P][r], w1, x + 4);
-        }
+        part[gg % P][r] = dpbusd_bcast(part[gg % P][r], w0, x);
+        part[(gg + 1) % P][r] = dpbusd_bcast(part[(gg + 1) % P][r], w1, x + 4);
       }
     }
     __m512i isum[R];
