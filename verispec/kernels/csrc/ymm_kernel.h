@@ -3,7 +3,8 @@
 // and high bits joined in registers, as the AVX512 path does), and used for a block of up to 4
 // rows; per row and group one dot product of u8 weights with s8 activations into int32 column
 // lanes, and per sub the fp32 steps of the contract (qgemm.h), on accumulators kept in the
-// caller's acc (L1). Signed weights (Q8_0) move their signs onto the activations with vpsignb.
+// caller's acc (L1). Signed weights (Q8_0) move their signs onto the activations with vpsignb
+// (AVX2), or are read as w + 128 (AVX-VNNI).
 //
 // The including file sets the instruction set (#pragma GCC target) and defines, before the
 // include, dot_u8s8(acc, w, x): acc plus, in each int32 lane, the sum of its four u8 x s8
@@ -85,7 +86,9 @@ static inline void group_weights(const uint8_t* tile, int g, __m256i* w, __m256i
     static_assert(SIGNED, "Q8_0 is the one 8-bit format");
     for (int half = 0; half < 2; ++half) {
       sg[half] = _mm256_loadu_si256((const __m256i*)(tile + 64 * g + 32 * half));
-      w[half] = _mm256_abs_epi8(sg[half]);
+      // VNNI: w + 128 (the top bit flipped), the sums starting from -128 * bsum (QActs::off128);
+      // AVX2's maddubs would saturate on (w + 128) * x, so it takes |w| and the signs onto x
+      w[half] = kInt16Sums ? _mm256_abs_epi8(sg[half]) : _mm256_xor_si256(sg[half], _mm256_set1_epi8((char)0x80));
     }
   }
 }
@@ -147,7 +150,9 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
       for (int r = 0; r < R; ++r) {
         // an offset format not centered in int16 (AVX-VNNI) starts from the offset's term,
         // -o * bsum_j (QActs::off16, off32), instead of subtracting it after the dot products
-        if constexpr (OFF != 0 && !CENTER) {
+        if constexpr (SIGNED && !kInt16Sums) {
+          i0[r] = i1[r] = _mm256_set1_epi32(a.off128[blk * a.mp + m0 + r]);
+        } else if constexpr (OFF != 0 && !CENTER) {
           static_assert(OFF == (SUB == 16 ? 32 : 16), "the offsets QActs holds: Q6_K's and Q5_0's");
           i0[r] = i1[r] = _mm256_set1_epi32(SUB == 16 ? a.off16[(s * (KB / 16) + j) * a.mp + m0 + r]
                                                       : a.off32[blk * a.mp + m0 + r]);
@@ -179,7 +184,8 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
 #pragma GCC unroll 4
           for (int r = 0; r < R; ++r) {
             const __m256i x = bcast4(xj + kActBlock * r + 4 * gg);
-            const __m256i x0 = SIGNED ? _mm256_sign_epi8(x, sg[0]) : x, x1 = SIGNED ? _mm256_sign_epi8(x, sg[1]) : x;
+            constexpr bool SIGNS = SIGNED && kInt16Sums;  // the signs moved onto x (AVX2)
+            const __m256i x0 = SIGNS ? _mm256_sign_epi8(x, sg[0]) : x, x1 = SIGNS ? _mm256_sign_epi8(x, sg[1]) : x;
             if constexpr (CH > 1) {
               t0[r] = _mm256_add_epi16(t0[r], _mm256_maddubs_epi16(w[0], x0));
               t1[r] = _mm256_add_epi16(t1[r], _mm256_maddubs_epi16(w[1], x1));
