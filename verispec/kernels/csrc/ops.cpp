@@ -181,19 +181,25 @@ struct ActBuffers {
   std::vector<int8_t> q;
   std::vector<float> dx, dxb, in, inv;
   std::vector<int16_t> bs;
-  std::vector<int32_t> hp, off16, off32, off128;
+  std::vector<int32_t> cen16, cen32, off16, off32, off128;
 };
 
-// QActs::hp of one block of 32 q's: its two 16s' sums at k % 4 < 2 (low int16) and k % 4 >= 2.
-static void pair_sums(const int8_t* q, int32_t* hp0, int32_t* hp1) {
-  for (int h = 0; h < 2; ++h) {
-    int32_t lo = 0, hi = 0;
+// QActs::cen16 and cen32 of one block of 32 q's: per 16 and per 32, the sums at k % 4 < 2 (low
+// int16) and k % 4 >= 2 (high int16), times Q6_K's and Q5_0's offsets, mod 2^16.
+static inline int32_t pack16(int32_t hi, int32_t lo) {
+  return (int32_t)(((uint32_t)(uint16_t)hi << 16) | (uint16_t)lo);
+}
+static void centered_sums(const int8_t* q, int32_t* cen16_0, int32_t* cen16_1, int32_t* cen32) {
+  int32_t lo[2] = {0, 0}, hi[2] = {0, 0};
+  for (int h = 0; h < 2; ++h)
     for (int i = 16 * h; i < 16 * h + 16; i += 4) {
-      lo += q[i] + q[i + 1];
-      hi += q[i + 2] + q[i + 3];
+      lo[h] += q[i] + q[i + 1];
+      hi[h] += q[i + 2] + q[i + 3];
     }
-    *(h ? hp1 : hp0) = (int32_t)(((uint32_t)(uint16_t)hi << 16) | (uint16_t)lo);
-  }
+  const int32_t o6 = int_offset(Q6_K), o5 = int_offset(Q5_0);
+  *cen16_0 = pack16(o6 * hi[0], o6 * lo[0]);
+  *cen16_1 = pack16(o6 * hi[1], o6 * lo[1]);
+  *cen32 = pack16(o5 * (hi[0] + hi[1]), o5 * (lo[0] + lo[1]));
 }
 
 constexpr int64_t kQuantChunk = 8;   // blocks of one row per unit of work
@@ -210,7 +216,8 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
   buf.dx.resize((size_t)(nb * mp));
   buf.dxb.resize((size_t)(nb * mp));
   buf.bs.resize((size_t)(k / 16 * mp));
-  buf.hp.resize((size_t)(k / 16 * mp));
+  buf.cen16.resize((size_t)(k / 16 * mp));
+  buf.cen32.resize((size_t)(nb * mp));
   buf.off16.resize((size_t)(k / 16 * mp));
   buf.off32.resize((size_t)(nb * mp));
   buf.off128.resize((size_t)(nb * mp));
@@ -256,13 +263,14 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
       buf.off16[(2 * b + 1) * mp + i] = -int_offset(Q6_K) * bs[1];
       buf.off32[b * mp + i] = -int_offset(Q5_0) * (bs[0] + bs[1]);
       buf.off128[b * mp + i] = -128 * (bs[0] + bs[1]);
-      pair_sums(pq + (b * mp + i) * kActBlock, &buf.hp[2 * b * mp + i], &buf.hp[(2 * b + 1) * mp + i]);
+      centered_sums(pq + (b * mp + i) * kActBlock, &buf.cen16[2 * b * mp + i], &buf.cen16[(2 * b + 1) * mp + i],
+                    &buf.cen32[b * mp + i]);
     }
   }, units >= kQuantGrain ? 0 : 1);
   if (mp > m)  // AMX's A tiles read the padding rows (their results are never used)
     for (int64_t b = 0; b < nb; ++b) std::memset(pq + (b * mp + m) * kActBlock, 0, (size_t)((mp - m) * kActBlock));
-  return QActs{pq, buf.dx.data(), buf.bs.data(), buf.dxb.data(), m, k, mp, buf.hp.data(), buf.off16.data(),
-               buf.off32.data(), buf.off128.data()};
+  return QActs{pq, buf.dx.data(), buf.bs.data(), buf.dxb.data(), m, k, mp, buf.cen16.data(), buf.cen32.data(),
+               buf.off16.data(), buf.off32.data(), buf.off128.data()};
 }
 
 // y = h @ W.T (+ bias) (+ residual) for W the packed parts stacked along the output dim:

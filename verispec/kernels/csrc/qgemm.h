@@ -101,10 +101,13 @@ struct QActs {
   const int16_t* bs;  // [K / 16][mp]: the int sums of every 16 q's
   const float* dxb;   // [K / 32][mp]: dx * (float)bsum of each block of 32 (the fp offset's factor)
   int64_t m, k, mp;
-  // [K / 16][mp]: of every 16 q's, the sum of those at k % 4 < 2 (the low int16) and of those at
-  // k % 4 >= 2 (the high int16), the two halves of a 4-byte group that AVX2's maddubs adds into
-  // its two int16 lanes (the 256-bit kernels take the offset formats' offset out of those lanes)
-  const int32_t* hp;
+  // What AVX2 takes out of its int16 lanes for the offset formats (ymm_kernel.h, centered_offset):
+  // of a sub's q's, the sum of those at k % 4 < 2 (low int16) and of those at k % 4 >= 2 (high
+  // int16), the two halves of a 4-byte group that maddubs adds into its two int16 lanes, each
+  // times the offset o and kept mod 2^16: [K / 16][mp] for Q6_K (o = 32, subs of 16), [K / 32][mp]
+  // for Q5_0 (o = 16, subs of 32). Made once per call, so the loop broadcasts it from memory.
+  const int32_t* cen16;
+  const int32_t* cen32;
   // The integer offset's term of the contract, -o * bsum_j, made once per call for the two
   // formats with one: [K / 16][mp] for Q6_K (o = 32, subs of 16) and [K / 32][mp] for Q5_0
   // (o = 16, subs of 32). The VNNI loops (AVX512, AVX-VNNI) start a sub's sum from it (a load

@@ -106,20 +106,16 @@ constexpr int int16_chunk(int wmax, int gps) {
   return ch;
 }
 
-// OFF times the int16 pair of sums (hp) of the sub of SUB k starting at 16-block i, row m: what to
-// take from a maddubs sum of w * x so that it becomes the sum of (w - OFF) * x, lane by lane.
-// Those int16 sums are exact although the running sums of w * x may wrap: additions mod 2^16 end
-// on the true value whenever it fits in an int16, and |sum (w - OFF) x| <= CH * 2 * OFF * 127.
-// Then the sub's int32 sum is the contract's sum q * x - OFF * bsum without the separate offset.
+// OFF times the int16 pair of sums of the sub of SUB k starting at 16-block i, row m
+// (QActs::cen16, cen32): what to take from a maddubs sum of w * x so that it becomes the sum of
+// (w - OFF) * x, lane by lane. Those int16 sums are exact although the running sums of w * x may
+// wrap: additions mod 2^16 end on the true value whenever it fits in an int16, and
+// |sum (w - OFF) x| <= CH * 2 * OFF * 127. Then the sub's int32 sum is the contract's
+// sum q * x - OFF * bsum without the separate offset.
 template <int OFF, int SUB>
-static inline int32_t centered_offset(const QActs& a, int64_t m, int64_t i) {
-  int32_t lo = 0, hi = 0;
-  for (int h = 0; h < SUB / 16; ++h) {
-    const int32_t p = a.hp[(i + h) * a.mp + m];
-    lo += (int16_t)(p & 0xffff);
-    hi += (int16_t)(p >> 16);
-  }
-  return (int32_t)(((uint32_t)(uint16_t)(OFF * hi) << 16) | (uint16_t)(OFF * lo));
+static inline const int32_t& centered_offset(const QActs& a, int64_t m, int64_t i) {
+  static_assert(OFF == (SUB == 16 ? 32 : 16), "the offsets QActs holds: Q6_K's and Q5_0's");
+  return SUB == 16 ? a.cen16[i * a.mp + m] : a.cen32[i / 2 * a.mp + m];
 }
 
 // R rows (R <= 4) against count consecutive tile superblocks. Each group's weights are made once
