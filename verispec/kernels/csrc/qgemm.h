@@ -116,7 +116,7 @@ struct QActs {
   const int32_t* off16;
   const int32_t* off32;
   // [K / 32][mp]: -128 * bsum of each block of 32, for Q8_0 read as unsigned bytes (w + 128, by
-  // flipping each byte's top bit) on AVX512: sum (w + 128) q - 128 bsum = sum w q.
+  // flipping each byte's top bit) on the VNNI paths: sum (w + 128) q - 128 bsum = sum w q.
   const int32_t* off128;
 
   const int8_t* qb(int64_t blk, int64_t row) const { return q + (blk * mp + row) * 32; }

@@ -144,8 +144,9 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
       __m256i i0[R], i1[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        // an offset format not centered in int16 (AVX-VNNI) starts from the offset's term,
-        // -o * bsum_j (QActs::off16, off32), instead of subtracting it after the dot products
+        // On AVX-VNNI, an offset format starts from the offset's term, -o * bsum_j (QActs::off16,
+        // off32), instead of subtracting it after the dot products, and Q8_0, read as w + 128,
+        // from -128 * bsum_j (off128); AVX2 centers its int16 lanes instead (centered_offset).
         if constexpr (SIGNED && !kInt16Sums) {
           i0[r] = i1[r] = _mm256_set1_epi32(a.off128[blk * a.mp + m0 + r]);
         } else if constexpr (OFF != 0 && !CENTER) {
