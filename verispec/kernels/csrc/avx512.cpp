@@ -90,7 +90,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
         part[0][r] = _mm512_set1_epi32(a.off128[blk * a.mp + m0 + r]);
       } else if constexpr (OFF != 0) {
         static_assert(OFF == (SUB == 16 ? 32 : 16), "the offsets QActs holds: Q6_K's and Q5_0's");
-        part[0][r] = _mm512_set1_epi32(SUB == 16 ? a.off16[(s * (KB / 16) + j) * a.mp + m0 + r] : a.off32[blk * a.mp + m0 + r]);
+        part[0][r] = _mm512_set1_epi32(a.offset_term(SUB, s * (KB / 16) + j * (SUB / 16), m0 + r));
       } else {
         part[0][r] = _mm512_setzero_si512();
       }

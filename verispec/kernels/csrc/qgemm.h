@@ -120,6 +120,9 @@ struct QActs {
   const int32_t* off128;
 
   const int8_t* qb(int64_t blk, int64_t row) const { return q + (blk * mp + row) * 32; }
+  // -o * bsum of the offset format's sub starting at 16-block i, row m: Q6_K's (sub 16, off16)
+  // or Q5_0's (sub 32, off32).
+  int32_t offset_term(int sub, int64_t i, int64_t m) const { return sub == 16 ? off16[i * mp + m] : off32[i / 2 * mp + m]; }
   // The sum of q over sub j (of size sub) of superblock s (of size kb), row m.
   int32_t bsum(int64_t m, int64_t s, int kb, int j, int sub) const {
     const int64_t i = s * (kb / 16) + j * (sub / 16);
