@@ -88,3 +88,49 @@ def goodness_of_fit(counts: np.ndarray, expected_p: np.ndarray) -> tuple[float, 
 
 def passes(pvalue: float, tv: float) -> bool:
     return pvalue > P_VALUE_MIN and tv < TV_MAX
+
+
+# ---- four tokens: chains of two drafts -------------------------------------------------------
+# With 3 tokens a round has room for one draft only (the first token comes from prefill), so a
+# drafter's choices within a chain (how long to make it) need a fourth token: the first round
+# can then draft two. Its joint has 16^4 cells, too many for the draws, so the chi-square test
+# takes the last three tokens' joint (16^3 cells, as for three tokens; the drafted ones and the
+# bonus are among them) and the TV bound every position's marginal.
+
+def exact_joint4(target, params: SamplingParams) -> np.ndarray:
+    """P(t1, t2, t3, t4) under plain sampling, shape [V, V, V, V]."""
+    triples = torch.tensor(list(itertools.product(range(VOCAB), repeat=3)))  # [V^3, 3]
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(triples), -1), triples], dim=1)  # [V^3, P+3]
+    cache = target.new_cache(len(PROMPT) + 3, num_slots=len(triples))
+    positions = torch.arange(ids.shape[1]).expand(len(triples), -1)
+    with torch.no_grad():
+        logits = target(ids, positions, cache, num_logits=4)  # [V^3, 4, V]
+    probs = logits_to_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p).double()
+    v = VOCAB
+    p1 = probs[0, 0]  # [V]
+    p2 = probs[:, 1].view(v, v, v, v)[:, 0, 0]  # [t1, t2]
+    p3 = probs[:, 2].view(v, v, v, v)[:, :, 0]  # [t1, t2, t3]
+    p4 = probs[:, 3].view(v, v, v, v)  # [t1, t2, t3, t4]
+    return (p1[:, None, None, None] * p2[:, :, None, None] * p3[:, :, :, None] * p4).numpy()
+
+
+def sample_counts4(generate: Callable[[SamplingParams], list[int]], params: SamplingParams,
+                   draws: int = DRAWS) -> np.ndarray:
+    """Histogram of ``generate``'s 4-token outputs over ``draws`` seeds."""
+    counts = np.zeros((VOCAB,) * 4)
+    for i in range(draws):
+        out = generate(SamplingParams(**{**params.__dict__, "max_tokens": 4, "seed": 10_000 + i}))
+        counts[tuple(out)] += 1
+    return counts
+
+
+def goodness_of_fit4(counts: np.ndarray, expected_p: np.ndarray) -> tuple[float, float]:
+    """Chi-square p-value of the last three tokens' joint and the max marginal TV of the four."""
+    pvalue, _ = goodness_of_fit(counts.sum(axis=0), expected_p.sum(axis=0))  # (t2, t3, t4)
+    emp = counts / counts.sum()
+    tv = max(
+        0.5 * np.abs(emp.sum(axis=tuple(a for a in range(4) if a != axis))
+                     - expected_p.sum(axis=tuple(a for a in range(4) if a != axis))).sum()
+        for axis in range(4)
+    )
+    return pvalue, tv

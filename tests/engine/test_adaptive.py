@@ -18,8 +18,9 @@ from tiny import loaded
 from verispec.config import SamplingParams, SpeculativeConfig
 import verispec.engine.engine as engine_module
 from verispec.engine.engine import Engine
-from verispec.speculative.controller import AdaptiveController, RoundReport
+from verispec.speculative.controller import AdaptiveController, FixedK, RoundReport
 from verispec.speculative.draft_model import DraftModelDrafter
+from verispec.speculative.draft_tree import TreeDraftModelDrafter
 from verispec.speculative.ngram import NgramDrafter
 
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]
@@ -135,3 +136,37 @@ def test_adaptive_sampling_matches_plain_distribution(monkeypatch):
           f"acceptance {eng.metrics.acceptance_rate:.3f}, chi2 p={pvalue:.4f}, max marginal TV={tv:.4f}")
     assert controller.chosen[0] > 0 and controller.chosen[1] > 0  # both plain and drafting rounds
     assert passes(pvalue, tv)
+
+
+def test_a_chain_that_stops_on_its_values_leaves_greedy_output_unchanged(target, draft, plain_output):
+    """A draft model asked for 6 drafts a round stops wherever its path value falls below 0.5."""
+    drafter = make_drafter("draft_model", draft)
+    decisions: list[bool] = []
+
+    def keep(seq, drafted, value):
+        assert 0.0 <= value <= 1.0 and 1 <= drafted < 6
+        decisions.append(value >= 0.5)
+        return decisions[-1]
+
+    drafter.bind_stop(keep)
+    eng = engine(target, drafter, 6, FixedK())
+    seq = eng.generate(PROMPT, GREEDY)
+    print(f"went on {decisions.count(True)}, stopped {decisions.count(False)}; "
+          f"{seq.metrics.num_draft_tokens} drafts in {seq.metrics.num_drafts} rounds")
+    assert seq.output_ids == plain_output
+    assert True in decisions and False in decisions
+    assert seq.metrics.num_draft_tokens < 6 * seq.metrics.num_drafts  # some chains stopped short
+
+
+def test_an_adaptive_engine_binds_its_controllers_stop_to_a_chain_draft_model(target, draft):
+    """The controller's rule reaches a draft model's chain, and k is then a cap; a fixed k, a
+    tree drafter and a drafter without values are left as they were."""
+    drafter = make_drafter("draft_model", draft)
+    adaptive = engine(target, drafter, 4)
+    assert drafter._keep is not None and adaptive.controller.value_stops
+    fixed_drafter = make_drafter("draft_model", draft)
+    engine(target, fixed_drafter, 4, FixedK())
+    assert fixed_drafter._keep is None
+    tree = TreeDraftModelDrafter(loaded(draft), draft.config.vocab_size, 512, topk=2, budget=4)
+    assert not engine(target, tree, 4).controller.value_stops and tree._keep is None
+    assert not engine(target, make_drafter("ngram", draft), 4).controller.value_stops

@@ -12,7 +12,8 @@ import copy
 import pytest
 
 import verispec.speculative.verify as verify_module
-from distribution import PROMPT, SETTINGS, exact_joint, goodness_of_fit, passes, sample_counts, target_and_draft
+from distribution import (PROMPT, SETTINGS, exact_joint, exact_joint4, goodness_of_fit, goodness_of_fit4, passes,
+                          sample_counts, sample_counts4, target_and_draft)
 from tiny import loaded
 from verispec import kernels
 from verispec.config import SpeculativeConfig
@@ -93,6 +94,52 @@ def test_wrong_recovery_rule_fails_the_same_test(models, monkeypatch, draft_voca
     engine = draft_model_engine(target, draft, draft_vocab_size, head)
     counts = sample_counts(lambda p: engine.generate(PROMPT, p).output_ids, params)
     pvalue, tv = goodness_of_fit(counts, exact_joint(target, params))
+    print(f"negative control: chi2 p={pvalue:.2e}, max marginal TV={tv:.4f}")
+    assert pvalue < 1e-6
+    assert not passes(pvalue, tv)
+
+
+# ---- a chain that stops on its draft values (bind_stop) --------------------------------------
+
+STOP_BELOW = 0.3  # the chain stops after a draft whose path value q(d1) * q(d2) ... falls below
+
+
+def stopping_engine(target, draft, decisions: list[bool]) -> Engine:
+    """k = 2 drafts asked for each round; after the first, the chain goes on only while the
+    drawn draft's q is at least ``STOP_BELOW``: a stop that depends on the drawn token."""
+    drafter = DraftModelDrafter(loaded(draft), target.config.vocab_size, 64)
+
+    def keep(seq, drafted, value):
+        decisions.append(value >= STOP_BELOW)
+        return decisions[-1]
+
+    drafter.bind_stop(keep)
+    return Engine(loaded(target), SpeculativeConfig(method="draft_model", num_speculative_tokens=2, adaptive=False),
+                  max_model_len=64, drafter=drafter)
+
+
+def test_a_chain_that_stops_on_its_drawn_drafts_keeps_the_plain_distribution(models):
+    target, draft = models
+    params = SETTINGS["temperature=1.0"]
+    decisions: list[bool] = []
+    engine = stopping_engine(target, draft, decisions)
+    counts = sample_counts4(lambda p: engine.generate(PROMPT, p).output_ids, params)
+    pvalue, tv = goodness_of_fit4(counts, exact_joint4(target, params))
+    stopped = decisions.count(False) / len(decisions)
+    print(f"stopped after the first draft in {stopped:.2f} of {len(decisions)} rounds, "
+          f"acceptance {engine.metrics.acceptance_rate:.3f}, chi2 p={pvalue:.4f}, max marginal TV={tv:.4f}")
+    assert 0.2 < stopped < 0.8  # both chain lengths are common
+    assert passes(pvalue, tv)
+
+
+def test_wrong_recovery_rule_fails_the_four_token_test(models, monkeypatch):
+    """Negative control for the test above: the same stopping chain with a biased recovery."""
+    target, draft = models
+    monkeypatch.setattr(verify_module, "_recovery_distribution", lambda p, q: p)
+    params = SETTINGS["temperature=1.0"]
+    engine = stopping_engine(target, draft, [])
+    counts = sample_counts4(lambda p: engine.generate(PROMPT, p).output_ids, params)
+    pvalue, tv = goodness_of_fit4(counts, exact_joint4(target, params))
     print(f"negative control: chi2 p={pvalue:.2e}, max marginal TV={tv:.4f}")
     assert pvalue < 1e-6
     assert not passes(pvalue, tv)

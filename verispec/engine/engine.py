@@ -39,11 +39,12 @@ verification walks the tree, and commit keeps the accepted path's K/V with one c
 k per sequence: the batch-aware rule of :mod:`verispec.engine.batch_k` caps it as the batch
 grows, and the controller (:mod:`verispec.speculative.controller`) picks a k up to that cap from
 measured costs and the request's acceptance; for a tree whose nodes carry draft values it also
-picks how many of the best nodes to verify (the node budget). A request that sets its own
-``num_speculative_tokens`` pins k (at most the engine's): it skips both and drafts that many
-every round it can, as asked. So does a seeded sampled request, at the engine's k, so that its
-seed reproduces its output (its random draws depend on how many drafts each round verifies;
-greedy output does not depend on k at all).
+picks how many of the best nodes to verify (the node budget), and a draft model's chain stops
+within k where the controller's ``keep_drafting`` says its next draft would not pay. A request
+that sets its own ``num_speculative_tokens`` pins k (at most the engine's): it skips all three
+and drafts that many every round it can, as asked. So does a seeded sampled request, at the
+engine's k, so that its seed reproduces its output (its random draws depend on how many drafts
+each round verifies; greedy output does not depend on k at all).
 
 Hidden states. A drafter that declares ``hidden_layers`` (Medusa heads, EAGLE) gets the target's
 hidden states of those layers from the passes the engine runs anyway: after prefill, every prompt
@@ -180,6 +181,9 @@ class Engine:
         self.controller = controller or build_controller(speculative)
         if isinstance(self.controller, AdaptiveController) and hasattr(drafter, "bind_costs"):
             drafter.bind_costs(self.controller.costs)  # lookahead prices its window with them
+        if isinstance(self.controller, AdaptiveController) and getattr(drafter, "stops_within_round", False):
+            drafter.bind_stop(self._keep_drafting)  # a draft model stops where its drafts stop paying
+            self.controller.value_stops = True
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
         self.prefix_caching = self._prefix_caching(prefix_caching)
         reads_prompts_as = getattr(drafter, "reads_prompts_as", None)
@@ -440,6 +444,11 @@ class Engine:
                 raise RuntimeError(f"the controller kept {n} tree nodes, outside 1..{len(proposal)}")
             proposal = _first_nodes(proposal, n)
         return proposal
+
+    def _keep_drafting(self, seq: Sequence, drafted: int, value: float) -> bool:
+        """The drafter's stop within a round (the controller's rule), except for a request that
+        drafts a fixed k (pinned, or seeded and sampled: see the module doc)."""
+        return _fixed_k(seq) or self.controller.keep_drafting(seq, drafted, value)
 
     def _k_for(self, seq: Sequence, batch_k: int) -> int:
         """The most drafts this sequence may propose: its request's own k if it set one, else

@@ -68,6 +68,8 @@ class _Node:
 
 
 class TreeDraftModelDrafter(DraftModelDrafter):
+    stops_within_round = False  # a tree's breadth is priced by the node budget instead
+
     def __init__(self, draft, target_vocab: int, max_model_len: int, *, topk: int, budget: int,
                  children: str = "topk", choices: tuple[tuple[int, ...], ...] | None = None,
                  depth: int = 4, num_slots: int = 1, draft_vocab_size: int | None = None,
