@@ -34,13 +34,17 @@ def test_smollm2_ngram_and_self_draft_identical(smollm):
         assert self_draft.metrics.acceptance_rate == 1.0
 
 
-def test_qwen_coder_1_5b_with_0_5b_draft_identical(qwen_target, qwen_draft, qwen_plain):
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
+def test_qwen_coder_1_5b_with_0_5b_draft_identical(qwen_target, qwen_draft, qwen_plain, adaptive):
+    """Fixed k = 4, and the adaptive controller, whose rule also stops a chain within k where
+    the draft is unsure (``keep_drafting``)."""
     target = qwen_target
     drafter = DraftModelDrafter(qwen_draft, target.model.config.vocab_size, MAX_MODEL_LEN)
     assert drafter.vocab is not None and drafter.vocab.ranges[0] == (0, 100_256)  # the bundled draft's cut head ...
     assert [kernels.format_name(p.fmt) for p in drafter.vocab.head.parts] == ["Q4_1"]  # ... requantized
-    spec_engine = Engine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=4, adaptive=False),
+    spec_engine = Engine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=4, adaptive=adaptive),
                          max_model_len=MAX_MODEL_LEN, drafter=drafter)
+    assert (drafter._keep is not None) == adaptive
     accepted = 0
     for text in PROMPTS:
         spec = spec_engine.generate(prompt_ids(target, text), GREEDY)
