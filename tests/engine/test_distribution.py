@@ -12,8 +12,7 @@ import copy
 import pytest
 
 import verispec.speculative.verify as verify_module
-from distribution import (PROMPT, SETTINGS, exact_joint, exact_joint4, goodness_of_fit, goodness_of_fit4, passes,
-                          sample_counts, sample_counts4, target_and_draft)
+from distribution import PROMPT, SETTINGS, exact_joint, goodness_of_fit, passes, sample_counts, target_and_draft
 from tiny import loaded
 from verispec import kernels
 from verispec.config import SpeculativeConfig
@@ -123,8 +122,8 @@ def test_a_chain_that_stops_on_its_drawn_drafts_keeps_the_plain_distribution(mod
     params = SETTINGS["temperature=1.0"]
     decisions: list[bool] = []
     engine = stopping_engine(target, draft, decisions)
-    counts = sample_counts4(lambda p: engine.generate(PROMPT, p).output_ids, params)
-    pvalue, tv = goodness_of_fit4(counts, exact_joint4(target, params))
+    counts = sample_counts(lambda p: engine.generate(PROMPT, p).output_ids, params, tokens=4)
+    pvalue, tv = goodness_of_fit(counts, exact_joint(target, params, tokens=4))
     stopped = decisions.count(False) / len(decisions)
     print(f"stopped after the first draft in {stopped:.2f} of {len(decisions)} rounds, "
           f"acceptance {engine.metrics.acceptance_rate:.3f}, chi2 p={pvalue:.4f}, max marginal TV={tv:.4f}")
@@ -138,8 +137,8 @@ def test_wrong_recovery_rule_fails_the_four_token_test(models, monkeypatch):
     monkeypatch.setattr(verify_module, "_recovery_distribution", lambda p, q: p)
     params = SETTINGS["temperature=1.0"]
     engine = stopping_engine(target, draft, [])
-    counts = sample_counts4(lambda p: engine.generate(PROMPT, p).output_ids, params)
-    pvalue, tv = goodness_of_fit4(counts, exact_joint4(target, params))
+    counts = sample_counts(lambda p: engine.generate(PROMPT, p).output_ids, params, tokens=4)
+    pvalue, tv = goodness_of_fit(counts, exact_joint(target, params, tokens=4))
     print(f"negative control: chi2 p={pvalue:.2e}, max marginal TV={tv:.4f}")
     assert pvalue < 1e-6
     assert not passes(pvalue, tv)
