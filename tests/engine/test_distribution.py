@@ -54,6 +54,21 @@ def test_speculative_sampling_matches_plain_distribution(models, name):
     assert passes(pvalue, tv)
 
 
+@pytest.mark.parametrize("name", ["temperature=1.0", pytest.param("top_p=0.9", marks=pytest.mark.long)])
+def test_chains_of_two_drafts_match_plain_distribution(models, name):
+    """Four tokens, so that the first round verifies both of its K = 2 drafts (with three tokens
+    a round has room for one): the second draft's test and the residual after it."""
+    target, draft = models
+    params = SETTINGS[name]
+    engine = draft_model_engine(target, draft)
+    counts = sample_counts(lambda p: engine.generate(PROMPT, p).output_ids, params, tokens=4)
+    pvalue, tv = goodness_of_fit(counts, exact_joint(target, params, tokens=4))
+    per_position = engine.metrics.per_position_acceptance
+    print(f"{name}: per-position acceptance {per_position}, chi2 p={pvalue:.4f}, max marginal TV={tv:.4f}")
+    assert len(per_position) == 2 and 0.05 < per_position[1] < 0.95  # second drafts accepted and rejected
+    assert passes(pvalue, tv)
+
+
 @pytest.fixture(scope="module")
 def native_draft(models):
     """The draft on the native kernels (Q4_1 layers, a Q8_0 head), for draft_head_quantization."""

@@ -92,10 +92,11 @@ def test_full_context_skips_the_branch_and_ends_with_length(target):
 def test_sampled_distribution_matches_plain():
     target = target_and_draft()[0]
     params = SETTINGS["temperature=1.0"]
-    # Bigrams (N = 2) and k = 2: the second draft is chained through the pool.
+    # Bigrams (N = 2) and k = 2: the second draft is chained through the pool. Four tokens, so
+    # that the first round has room for both drafts (with three, for one).
     engine = lookahead_engine(target, 2, 4, 2, guess=2, max_model_len=64)
-    counts = sample_counts(lambda p: engine.generate(DIST_PROMPT, p).output_ids, params)
-    pvalue, tv = goodness_of_fit(counts, exact_joint(target, params))
+    counts = sample_counts(lambda p: engine.generate(DIST_PROMPT, p).output_ids, params, tokens=4)
+    pvalue, tv = goodness_of_fit(counts, exact_joint(target, params, tokens=4))
     m = engine.metrics
     print(f"lookahead: {m.num_draft_tokens} drafts, acceptance {m.acceptance_rate:.3f}, "
           f"chi2 p={pvalue:.4f}, max marginal TV={tv:.4f}")
