@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from verispec.config import SamplingParams, SpeculativeConfig
-from verispec.speculative.base import DrafterContext, available_methods, build_drafter
+from verispec.speculative.base import DrafterContext
+from verispec.speculative.registry import available_methods, build_drafter
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 
 TREE_CHILD_MODES = ("topk", "iid", "without_replacement")
@@ -60,6 +61,22 @@ class SamplingParams:
 
 
 DRAFT_HEAD_QUANTIZATIONS = ("none", "int4")  # see SpeculativeConfig.draft_head_quantization
+
+
+def tree_choices(choices: Iterable[Sequence[int]]) -> list[tuple[int, ...]]:
+    """Medusa-style tree choices (tuples of top-k ranks), checked and ordered by depth, then by
+    rank tuple: every choice is a non-empty tuple of ranks >= 0 whose proper prefixes are
+    choices too. :meth:`verispec.speculative.tree.Tree.from_choices` numbers nodes in this order.
+    """
+    paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+    known: set[tuple[int, ...]] = {()}
+    for path in paths:
+        if not path or any(r < 0 for r in path):
+            raise ValueError(f"a choice must be a non-empty tuple of ranks >= 0, got {path}")
+        if path[:-1] not in known:
+            raise ValueError(f"choice {path} has no parent choice {path[:-1]}")
+        known.add(path)
+    return paths
 
 
 @dataclass(frozen=True)
@@ -224,9 +241,7 @@ class SpeculativeConfig:
             tree = tuple(tuple(int(r) for r in choice) for choice in tree)
         except (TypeError, ValueError):
             raise ValueError(f"speculative_token_tree must be a list of rank tuples, got {tree!r}") from None
-        from verispec.speculative.tree import Tree  # validates prefixes and ranks
-
-        Tree.from_choices(tree)
+        tree_choices(tree)  # validates prefixes and ranks
         object.__setattr__(self, "speculative_token_tree", tree)
 
     @classmethod

@@ -43,3 +43,11 @@ def set_threads(threads: int | None = None) -> int:
         raise ValueError(f"threads must be a positive integer, got {threads!r}")
     torch.set_num_threads(threads)
     return threads
+
+
+def verispec_home() -> Path:
+    """Return the cache directory: ``$VERISPEC_HOME`` if set, else ``~/.cache/verispec``."""
+    env = os.environ.get("VERISPEC_HOME")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "verispec"

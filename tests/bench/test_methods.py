@@ -8,7 +8,7 @@ import torch
 from verispec.bench import methods
 from verispec.bench.methods import HFRunner, LlamaCppRunner, hf_generation_options, parse_methods, speculative_config
 from verispec.config import SamplingParams, SpeculativeConfig
-from verispec.speculative import base
+from verispec.speculative import registry
 
 
 def test_plain_comes_first_and_duplicates_are_dropped():
@@ -26,7 +26,7 @@ def test_options_continue_after_commas_and_map_onto_the_speculative_config():
 
 
 def test_a_newly_registered_drafter_is_a_method_without_harness_changes(monkeypatch):
-    monkeypatch.setitem(base._REGISTRY, "brand_new", lambda config, context: None)
+    monkeypatch.setitem(registry._REGISTRY, "brand_new", lambda config, context: None)
     (spec,) = parse_methods("brand_new@k=3")[1:]
     assert speculative_config(spec).method == "brand_new"
 

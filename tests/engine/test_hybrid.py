@@ -14,9 +14,10 @@ from distribution import SETTINGS, exact_joint, goodness_of_fit, passes, sample_
 from tiny import loaded
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
-from verispec.speculative.base import DrafterContext, Outcome, Proposal
-from verispec.speculative.draft_model import DraftModelDrafter, draft_model_drafter
+from verispec.speculative.base import Drafter, DrafterContext, Outcome, Proposal
+from verispec.speculative.draft_model import DraftModelDrafter
 from verispec.speculative.hybrid import SuffixFirstDrafter
+from verispec.speculative.registry import draft_model_drafter
 from verispec.speculative.suffix import SuffixDraft
 
 # Repeats, so the suffix trie has something to draft from; the draft model drafts the rest.
@@ -66,16 +67,18 @@ def test_feedback_and_finish_reach_both_drafters(target, draft):
     calls = []
     for name in ("suffix", "fallback"):
         inner = getattr(drafter, name)
-        for method in ("start", "feedback", "finish"):
+        for method in ("start", "feedback", "finish", "calibrate", "reads_prompts_as", "bind_costs", "bind_stop"):
             real = getattr(inner, method)
-            setattr(inner, method, lambda *a, _r=real, _n=(name, method): calls.append(_n) or _r(*a))
+            setattr(inner, method, lambda *a, _r=real, _n=(name, method), **kw: calls.append(_n) or _r(*a, **kw))
     engine = Engine(loaded(target), hybrid_config(), max_model_len=256, drafter=drafter)
     engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=20))
     for method in ("start", "feedback", "finish"):
         assert calls.count(("suffix", method)) == calls.count(("fallback", method)) > 0
-    # the draft model's own interface is the engine's to use (calibration, how to read prompts)
-    assert drafter.calibrate.__func__ is DraftModelDrafter.calibrate
-    assert drafter.reads_prompts_as.__func__ is DraftModelDrafter.reads_prompts_as
+    # the draft model's own capabilities are the engine's to use (calibration, how to read
+    # prompts, the cost model, the stop within a round): each reaches it once, and none the trie
+    for method in ("calibrate", "reads_prompts_as", "bind_costs", "bind_stop"):
+        assert calls.count(("fallback", method)) == 1 and ("suffix", method) not in calls, method
+    assert drafter.hidden_layers is None and drafter.stops_within_round is DraftModelDrafter.stops_within_round
 
 
 def test_a_draft_model_that_sat_out_rounds_catches_up(target, draft):
@@ -97,7 +100,7 @@ def test_a_draft_model_that_sat_out_rounds_catches_up(target, draft):
     engine.abort(seq)
 
 
-class _Stub:
+class _Stub(Drafter):
     """A drafter that proposes ``tokens`` and counts its calls; as a suffix drafter, its drafts
     score ``score``."""
 

@@ -26,8 +26,8 @@ from verispec.models.registry import (
     fetch,
     is_fetched,
     resolve_model,
-    verispec_home,
 )
+from verispec.runtime import verispec_home
 
 FAKE = "fake-model"
 VERSION = "1.0.0"

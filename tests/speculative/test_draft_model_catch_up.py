@@ -47,7 +47,7 @@ def test_a_self_draft_after_a_long_catch_up_reproduces_the_target():
 
 def test_c_leaves_the_catch_up_out():
     """c prices a draft token; a draft model's catching up is counted apart, not spread over c."""
-    from verispec.speculative.metrics import SpecMetrics
+    from verispec.metrics import SpecMetrics
 
     m = SpecMetrics(num_draft_tokens=10, draft_time_s=3.0, catch_up_time_s=2.0)
     m.record_target(1, 0.1)

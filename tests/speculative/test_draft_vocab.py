@@ -18,7 +18,8 @@ from verispec.engine.engine import Engine
 from verispec.models.quant import quantize_
 from verispec.speculative.base import DrafterContext
 from verispec.speculative.draft_model import (DraftModelDrafter, DraftVocabulary, bundled_draft_head_quantization,
-                                              bundled_draft_vocab_size, draft_model_drafter)
+                                              bundled_draft_vocab_size)
+from verispec.speculative.registry import draft_model_drafter
 
 VOCAB = 64
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]

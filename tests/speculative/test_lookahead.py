@@ -9,7 +9,7 @@ import torch
 from tiny import loaded, tiny_model
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
-from verispec.speculative.base import Outcome, Proposal
+from verispec.speculative.base import Drafter, Outcome, Proposal
 from verispec.speculative.cost_model import CostModel
 from verispec.speculative.lookahead import LookaheadDrafter, NgramPool, WindowGate, window_branch
 
@@ -87,7 +87,7 @@ def test_window_branch_mask_and_positions() -> None:
     assert torch.equal(branch.mask, expected)
 
 
-class _Recorder:
+class _Recorder(Drafter):
     """Proposes one fixed window and records the aux logits the engine hands back."""
 
     def __init__(self, rows):

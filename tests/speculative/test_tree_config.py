@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from verispec.config import SpeculativeConfig
-from verispec.speculative.base import DrafterContext, build_drafter
+from verispec.speculative.base import DrafterContext
+from verispec.speculative.registry import build_drafter
 from verispec.speculative.draft_tree import default_choices
 from verispec.speculative.ngram import NgramDrafter
-from verispec.speculative.metrics import SpecMetrics
+from verispec.metrics import SpecMetrics
 
 
 def test_tree_keys_and_draft_topk_alias():

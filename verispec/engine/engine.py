@@ -51,50 +51,13 @@ hidden states of those layers from the passes the engine runs anyway: after pref
 position; after each round, the rows of the committed tokens' inputs (a tree's accepted path), in
 ``seq.target_hidden``, set before ``feedback``. No pass is added for them.
 
-Calibration. An adaptive controller decides from measured costs, and the first run of each
-shape pays one-time set-up (kernel primitives, allocation), often half as much again as a warm
-run; a controller that learned those first samples would price drafting out and, never drafting
-again, never measure it anew. So an engine that builds an
-:class:`~verispec.speculative.controller.AdaptiveController` (``"adaptive": true``) runs each
-verify width 1..k+1 on a scratch slot when it is built (one cold run, then the median of three),
-and the drafter's own calibration when it has one (``calibrate``, see
-:mod:`verispec.speculative.base`), and seeds the cost model with the warm timings. Each time but
-the decode step's own is taken as a ratio to a decode step run just before it, since a machine's
-speed drifts within seconds and the controller decides on ratios (v(n), the draft cost c).
-Rounds then refine them as usual. The measurements behind this are in docs/design.md.
-
-Prefix caching. A finished sequence's slot keeps its K/V, and the engine remembers the tokens
-they belong to. A new request takes the free slot whose kept tokens share the longest prefix with
-its prompt, keeps those positions and prefills only the rest (at least the prompt's last token,
-whose logits give the first output token), as llama-server's prompt cache does. This is exact,
-not an approximation: with prefix caching on, every prompt is prefilled through the decode path
-(``prefill=False``), whose rows depend only on their own token, position and the cache entries
-before them, bitwise (the native kernels' contract; :meth:`~verispec.models.decoder.Decoder.
-rows_are_pass_invariant`). So an entry computed in an earlier request's prefill or decode step is
-the entry a fresh prefill would compute, and a request's output does not depend on what ran
-before it. ``prefix_caching=None`` (the default) turns it on where that holds and costs nothing:
-a native model on the CPU that keeps no dense prefill copies
-(:meth:`~verispec.models.decoder.Decoder.prefills_on_the_decode_kernels`), whose long-prompt
-prefill runs the same kernels anyway (1.5B, 700 tokens on the AVX2 EPYC: 8.3-8.6 s through the decode path,
-8.7-9.3 s through the prefill path). A drafter that reads every prompt position's hidden
-states after prefill (EAGLE) gets none for a cached prefix, so it stays off for it; one that reads
-only the last position's (Medusa, ``last_prompt_state_only``) keeps it.
-
-Faults. A failure that belongs to one sequence (its drafter's ``propose``, its verification and
-sampling, its commit and stop check, the controller's bookkeeping for it) finishes that
-sequence with ``finish_reason == "error"`` and the message in ``seq.error``; the rest of the
-batch goes on. A failure of the shared verify forward is retried once for the whole batch
-without speculation (a plain step, which gives the same greedy tokens), and if that fails too,
-each sequence runs its plain step alone, so only the sequences whose own pass fails are
-failed. A retry first rolls every slot back to where the failed pass started. Errors never
-leave a slot taken: a failed sequence is released like a finished one, and a drafter's
-``finish`` that raises is logged, not propagated.
+Slots and prefix caching are in :mod:`verispec.engine.slots`, the cost calibration of an
+adaptive engine in :mod:`verispec.engine.calibration`, and what happens when something fails (one
+sequence fails, never the batch) in :mod:`verispec.engine.faults`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,24 +67,22 @@ import torch
 
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.detokenize import IncrementalDetokenizer
+from verispec.engine import faults
 from verispec.engine.batch_k import StepCosts, choose_k
-from verispec.engine.sequence import Sequence, common_prefix
+from verispec.engine.calibration import calibrate
+from verispec.engine.slots import SlotTable, prefix_caching_for
+from verispec.sequence import Sequence
 from verispec.sampling import logits_to_probs, make_generator
-from verispec.speculative.base import (
-    EMPTY_PROPOSAL, AuxBranch, Drafter, DrafterContext, Outcome, Proposal, build_drafter,
-)
+from verispec.speculative.base import EMPTY_PROPOSAL, AuxBranch, Drafter, DrafterContext, Outcome, Proposal
 from verispec.speculative.controller import AdaptiveController, Controller, RoundReport, build_controller
-from verispec.speculative.cost_model import relative_time, warm_seconds
-from verispec.speculative.metrics import SpecMetrics
+from verispec.metrics import SpecMetrics
+from verispec.speculative.registry import build_drafter
 from verispec.speculative.tree import Tree, tree_layout
 from verispec.speculative.tree_verify import verify_tree_greedy, verify_tree_stochastic
 from verispec.speculative.verify import VerifyResult, verify_greedy, verify_stochastic
 
 if TYPE_CHECKING:
     from verispec.models.loader import LoadedModel
-
-log = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class Verified:
@@ -171,33 +132,37 @@ class Engine:
         self.cache = self.model.new_cache(self.max_model_len + self.k, num_slots=max_num_seqs)
         if drafter is None and speculative is not None:
             drafter = build_drafter(speculative, DrafterContext(target, self.max_model_len, max_num_seqs))
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise TypeError(f"a drafter subclasses verispec.speculative.base.Drafter; got {type(drafter).__name__}")
         self.drafter = drafter
         # Target hidden-state layers the drafter reads (Medusa, EAGLE), in the decoder's
         # numbering: 0 = embeddings, i = after layer i, -1 = the final normed state.
-        self.hidden_layers: tuple[int, ...] | None = getattr(drafter, "hidden_layers", None)
+        self.hidden_layers = None if drafter is None else drafter.hidden_layers
         # whether prefill must hand over every prompt position's states (EAGLE) or the last (Medusa)
-        self.needs_every_prompt_state = (self.hidden_layers is not None
-                                         and not getattr(drafter, "last_prompt_state_only", False))
+        self.needs_every_prompt_state = self.hidden_layers is not None and not drafter.last_prompt_state_only
         self.controller = controller or build_controller(speculative)
-        if isinstance(self.controller, AdaptiveController) and hasattr(drafter, "bind_costs"):
+        adaptive = isinstance(self.controller, AdaptiveController)
+        if adaptive and drafter is not None:
             drafter.bind_costs(self.controller.costs)  # lookahead prices its window with them
-        if isinstance(self.controller, AdaptiveController) and getattr(drafter, "stops_within_round", False):
-            drafter.bind_stop(self._keep_drafting)  # a draft model stops where its drafts stop paying
-            self.controller.value_stops = True
-        self.free_slots = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out slot 0 first
-        self.prefix_caching = self._prefix_caching(prefix_caching)
-        reads_prompts_as = getattr(drafter, "reads_prompts_as", None)
-        if reads_prompts_as is not None:  # a draft model reads prompts as the target prefills them
-            reads_prompts_as(prefill=not self.prefix_caching)
-        # per slot, the tokens whose K/V a free slot still holds (its cache's first positions)
-        self.kept_tokens: list[list[int]] = [[] for _ in range(max_num_seqs)]
-        self.kept_at = [0] * max_num_seqs  # when each slot's tokens were kept (a release count)
-        self._releases = 0
+            if drafter.stops_within_round:
+                drafter.bind_stop(self._keep_drafting)  # a draft model stops where its drafts stop paying
+                self.controller.value_stops = True
+        self.prefix_caching = prefix_caching_for(self.model, prefix_caching, self.needs_every_prompt_state)
+        self.slots = SlotTable(self.cache, max_num_seqs, self.prefix_caching)
+        if drafter is not None:  # a draft model reads prompts as the target prefills them
+            drafter.reads_prompts_as(prefill=not self.prefix_caching)
         self.running: list[Sequence] = []
         self.costs = StepCosts()  # measured costs that batch-aware k is chosen from
         self.metrics = SpecMetrics()  # aggregated over finished requests
-        if controller is None and isinstance(self.controller, AdaptiveController) and self.k > 0:
-            self._calibrate(self.controller)  # (a controller passed in comes with its own costs)
+        if controller is None and adaptive and self.k > 0:
+            # (a controller passed in comes with its own costs)
+            calibrate(self.model, self.cache, self.slots.free[-1], self.k, self.max_model_len, drafter,
+                      self.controller.costs)
+
+    @property
+    def free_slots(self) -> list[int]:
+        """The cache slots no running sequence holds."""
+        return self.slots.free
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -228,9 +193,9 @@ class Engine:
         """
         if not self.free_slots:
             raise RuntimeError(f"all {self.cache.num_slots} sequence slots are in use")
-        slot = self._slot_for(prompt_ids)
+        slot = self.slots.choose(prompt_ids)
         seq = self._prefill(prompt_ids, params, slot, num_speculative_tokens)
-        self.free_slots.remove(slot)  # the slot is taken only once the prefill has succeeded
+        self.slots.take(slot)  # the slot is taken only once the prefill has succeeded
         self.running.append(seq)
         if seq.finished:
             self._release(seq)
@@ -247,7 +212,7 @@ class Engine:
 
         Returns the new text of each sequence that took part. Sequences that finish leave the
         batch and free their slot; so do sequences that failed (``finish_reason == "error"``,
-        see the module doc on faults).
+        see :mod:`verispec.engine.faults`).
         """
         for seq in self.running:
             if self.cache.length(seq.slot) + 1 > self.max_model_len:
@@ -262,7 +227,7 @@ class Engine:
                 try:
                     proposals.append(self._propose(seq, self._k_for(seq, k)))
                 except Exception as e:
-                    self._fail(seq, "drafting", e)
+                    faults.fail(seq, "drafting", e)
                     proposals.append(EMPTY_PROPOSAL)
                 draft_s.append(time.perf_counter() - t0)
                 seq.metrics.draft_time_s += draft_s[-1]
@@ -285,91 +250,10 @@ class Engine:
                                          depth=_depth(proposal) if proposal.parents is not None else 0)
                     self.controller.observe(seq, report)
                 except Exception as e:
-                    self._fail(seq, "committing its tokens", e)
+                    faults.fail(seq, "committing its tokens", e)
         for seq in [s for s in self.running if s.finished]:
             self._release(seq)
         return texts
-
-    # ---- prefix caching ----------------------------------------------------------------------
-
-    def _prefix_caching(self, asked: bool | None) -> bool:
-        if asked is False:
-            return False
-        exact = self.model.rows_are_pass_invariant()
-        if asked is None:
-            return exact and not self.needs_every_prompt_state and self.model.prefills_on_the_decode_kernels()
-        if not exact:
-            raise ValueError(
-                "prefix caching needs a model whose rows do not depend on the pass that computes them "
-                "(float32 on the CPU with the native kernels); this one's would change with it")
-        if self.needs_every_prompt_state:
-            raise ValueError("prefix caching does not work with a drafter that reads every prompt position's "
-                             "hidden states after prefill (EAGLE): a cached prefix has none")
-        return True
-
-    def _slot_for(self, prompt_ids: list[int]) -> int:
-        """The free slot to prefill ``prompt_ids`` into: the one whose kept tokens share the
-        longest prefix with it; when none shares any, an empty slot, else the one whose tokens
-        were kept longest ago (least recently used)."""
-        if not self.prefix_caching:
-            return self.free_slots[-1]
-        best, best_len = None, 0
-        for slot in reversed(self.free_slots):
-            n = common_prefix(self.kept_tokens[slot], prompt_ids)
-            if n > best_len:
-                best, best_len = slot, n
-        if best is not None:
-            return best
-        empty = [slot for slot in reversed(self.free_slots) if not self.kept_tokens[slot]]
-        return empty[0] if empty else min(self.free_slots, key=lambda slot: self.kept_at[slot])
-
-    def _fail(self, seq: Sequence, phase: str, e: Exception) -> None:
-        """Finish one sequence with an error (its slot is freed at the end of the step)."""
-        log.error("request in slot %d failed while %s", seq.slot, phase, exc_info=e)
-        seq.finish_reason = "error"
-        seq.error = f"{phase} failed: {type(e).__name__}: {e}"
-
-    # ---- calibration -------------------------------------------------------------------------
-
-    CALIBRATION_CONTEXT = 32  # dummy tokens in the scratch slot's cache before the timed passes
-
-    def _calibrate(self, controller: AdaptiveController) -> None:
-        """Seed ``controller.costs`` with warm timings of every verify width 1..k+1 and the
-        drafter's costs (see the module doc). Each is timed against a one-position pass run
-        just before it (:func:`~verispec.speculative.cost_model.relative_time`), so that the cost
-        ratios do not depend on how the host's speed drifted between them. Runs on a free slot,
-        which is left empty."""
-        slot, device = self.free_slots[-1], self.model.device
-        context = min(self.CALIBRATION_CONTEXT, self.max_model_len - self.k - 2)
-        token = 0  # any id: only the time matters
-        if context < 1:
-            return  # no room for a scratch context: the rounds measure everything
-        self.cache.reset(slot)
-        ids = torch.full((1, context), token, device=device)
-        self.model(ids, torch.arange(context, device=device)[None], self.cache, slots=[slot], num_logits=1,
-                   prefill=True)
-
-        def verify(n: int) -> None:
-            self.model(torch.full((1, n), token, device=device),
-                       torch.arange(context, context + n, device=device)[None], self.cache, slots=[slot])
-            self.cache.truncate(slot, context)
-
-        def step() -> None:
-            verify(1)
-
-        t1 = warm_seconds(step)
-        controller.costs.observe_target(1, t1)
-        for n in range(2, self.k + 2):
-            controller.costs.observe_target(n, t1 * relative_time(lambda: verify(n), step))
-        calibrate = getattr(self.drafter, "calibrate", None)
-        if calibrate is not None:
-            draft_step, reads, resumes = calibrate(slot, token, step)  # in decode steps
-            controller.costs.observe_draft(1, draft_step * t1)
-            for missed, steps in resumes:
-                controller.costs.observe_catch_up(missed, 0, steps * t1)
-            for missed, steps in reads:
-                controller.costs.observe_catch_up(missed, 0, steps * t1, prompt=missed)
-        self.cache.reset(slot)
 
     # ---- phases ------------------------------------------------------------------------------
 
@@ -394,14 +278,7 @@ class Engine:
         )
         t0 = time.perf_counter()
         # positions kept from an earlier request; the prompt's last token is always run, for its logits
-        kept = 0
-        if self.prefix_caching:
-            kept = min(common_prefix(self.kept_tokens[slot], prompt_ids), len(prompt_ids) - 1)
-        self.kept_tokens[slot] = list(prompt_ids[:kept])  # what stays valid if this prefill fails
-        if kept:
-            self.cache.truncate(slot, kept)
-        else:
-            self.cache.reset(slot)
+        kept = self.slots.reuse(slot, prompt_ids)
         seq.metrics.cached_prompt_tokens = kept
         device = self.model.device
         ids = torch.tensor([prompt_ids[kept:]], device=device)  # [1, P - kept]
@@ -465,13 +342,14 @@ class Engine:
         """Verify every proposal: chains in ONE target forward (rows padded to T), trees and
         aux-carrying chains in a forward each. Returns the results (None for a sequence that
         failed) and each one's verify time. A failed forward is retried without speculation
-        (see the module doc on faults)."""
+        (see :mod:`verispec.engine.faults`)."""
         chains = [i for i, p in enumerate(proposals) if p.parents is None and p.aux is None]
         verified: list[Verified | None] = [None] * len(batch)
         seconds = [0.0] * len(batch)
         if chains:
             t0 = time.perf_counter()
-            results = self._verify_chains([batch[i] for i in chains], [proposals[i] for i in chains])
+            results = faults.verify_retrying(self.cache, [batch[i] for i in chains], [proposals[i] for i in chains],
+                                             self._verify_pass)
             elapsed = time.perf_counter() - t0
             for i, v in zip(chains, results):
                 verified[i], seconds[i] = v, elapsed
@@ -480,49 +358,17 @@ class Engine:
                 continue
             t0 = time.perf_counter()
             single = self._verify_tree if proposal.parents is not None else self._verify_aux
-            start = self.cache.length(seq.slot)
-            try:
-                verified[i] = single(seq, proposal)
-            except Exception as e:
-                log.warning("verify pass of slot %d failed (%s: %s); retrying without speculation",
-                            seq.slot, type(e).__name__, e)
-                self._roll_back([seq], [start])
-                verified[i] = _as_plain(self._verify_chains([seq], [EMPTY_PROPOSAL]))[0]
+            verified[i] = faults.verify_alone_retrying(self.cache, seq, proposal, single, self._verify_pass)
             seconds[i] = time.perf_counter() - t0
         for i, (seq, s) in enumerate(zip(batch, seconds)):
             seq.metrics.verify_time_s += s / len(chains) if i in chains else s  # a shared pass is split
         return verified, seconds
 
-    def _verify_chains(self, batch: list[Sequence], proposals: list[Proposal]) -> list[Verified | None]:
+    def _verify_pass(self, batch: list[Sequence], proposals: list[Proposal], starts: list[int]
+                     ) -> list[Verified | None]:
         """ONE target forward over every sequence's last token and drafts, rows padded to T,
-        then each row verified on its own. If the forward raises, the batch runs again without
-        drafts, and if that raises too, each sequence runs alone without drafts; a sequence
-        whose own pass (or verification) still fails is failed, and its result is None."""
-        starts = [self.cache.length(seq.slot) for seq in batch]
-        try:
-            return self._verify_rows(batch, proposals, starts, self._forward_chains(batch, proposals, starts))
-        except Exception as e:
-            error = e
-        self._roll_back(batch, starts)
-        plain = [EMPTY_PROPOSAL] * len(batch)
-        if any(len(p) for p in proposals):
-            log.warning("verify pass of %d sequence(s) failed (%s: %s); retrying without speculation",
-                        len(batch), type(error).__name__, error)
-            try:
-                return _as_plain(self._verify_rows(batch, plain, starts, self._forward_chains(batch, plain, starts)))
-            except Exception as e:
-                error = e
-            self._roll_back(batch, starts)
-        if len(batch) == 1:
-            self._fail(batch[0], "its forward pass", error)
-            return [None]
-        # each alone: only a sequence whose own pass fails is failed
-        return [_as_plain(self._verify_chains([seq], [EMPTY_PROPOSAL]))[0] for seq in batch]
-
-    def _roll_back(self, batch: list[Sequence], starts: list[int]) -> None:
-        """Undo what a failed forward may have written (it only appends past ``starts``)."""
-        for seq, start in zip(batch, starts):
-            self.cache.truncate(seq.slot, start)
+        then each row verified on its own (a row that fails there is failed alone)."""
+        return self._verify_rows(batch, proposals, starts, self._forward_chains(batch, proposals, starts))
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], **kwargs
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -561,7 +407,7 @@ class Engine:
                 verified.append(Verified(self._verify_logits(seq, proposal, row_logits), starts[b],
                                          features=row_features))
             except Exception as e:
-                self._fail(seq, "verifying and sampling", e)
+                faults.fail(seq, "verifying and sampling", e)
                 verified.append(None)
         return verified
 
@@ -669,23 +515,9 @@ class Engine:
             try:
                 self.drafter.finish(seq)
             except Exception:  # the slot is freed whatever the drafter does
-                log.exception("the drafter failed to drop the state of slot %d", seq.slot)
-        kept = self.cache.length(seq.slot)
-        if self.prefix_caching and seq.finish_reason != "error" and kept <= len(seq.token_ids):
-            # (a chain's or an accepted tree path's cache index is its token's index)
-            self.kept_tokens[seq.slot] = seq.token_ids[:kept]
-            self._releases += 1
-            self.kept_at[seq.slot] = self._releases
-        else:
-            self.kept_tokens[seq.slot] = []
-            self.cache.reset(seq.slot)
-        self.free_slots.append(seq.slot)
+                faults.log.exception("the drafter failed to drop the state of slot %d", seq.slot)
+        self.slots.release(seq.slot, seq.token_ids, reusable=seq.finish_reason != "error")
         self.metrics.merge(seq.metrics)
-
-def _as_plain(verified: list[Verified | None]) -> list[Verified | None]:
-    """Mark results of a retry without drafts (their drafter's proposal was not verified)."""
-    return [v if v is None else dataclasses.replace(v, proposal=EMPTY_PROPOSAL) for v in verified]
-
 
 def _fixed_k(seq: Sequence) -> bool:
     """A request that pinned its k, or a seeded sampled one (its seed must reproduce its output),

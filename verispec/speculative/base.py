@@ -1,8 +1,11 @@
-"""The drafter interface, declared once, and the registry keyed by method name.
+"""The drafter interface, declared once: what a drafter must do and what the engine may ask.
 
 A drafter proposes up to k tokens for one sequence; the engine verifies them against the target
-and reports back what happened. The engine only ever talks to this protocol: adding a drafter
-means registering a factory under a method name, never adding a branch to the engine.
+and reports back what happened. The engine talks to drafters only through :class:`Drafter`:
+the four required methods, and the optional capabilities declared on it with their defaults (a
+test walks the engine's reads of a drafter and checks that it reads nothing else). Adding a
+drafter means subclassing :class:`Drafter` and naming its factory in
+:mod:`verispec.speculative.registry`, never adding a branch to the engine.
 
 Life cycle of one request::
 
@@ -15,34 +18,21 @@ Life cycle of one request::
 
 A proposal is a chain unless it carries ``parents``: then its tokens are the nodes of a draft
 tree (see :mod:`verispec.speculative.tree`) verified in one target pass. Chain drafters never set it.
-
-A drafter that reads the target's hidden states declares ``hidden_layers`` (a tuple of layer
-indices: 0 = embeddings, i = after layer i, -1 = the final normed state); the engine then puts
-those layers, concatenated, in ``seq.target_hidden`` before ``start`` and every ``feedback``.
-After prefill that is every prompt position the pass ran; a drafter that reads only the last one
-declares ``last_prompt_state_only = True``, and prefix caching (which runs only the positions a
-slot did not keep) stays on for it.
-
-A drafter with costs of its own worth timing up front may also have
-``calibrate(slot, token, reference) -> (a draft step, [(prompt length, time to read it)],
-[(generated tokens, time to catch up on them)])``, every time in runs of ``reference()`` (the
-target's decode step) timed just before it, which an engine with an adaptive controller calls
-once, on an empty slot, when it is built (the draft model has it; prompt lookup's costs are too
-small to need it).
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from verispec.config import SpeculativeConfig
-    from verispec.engine.sequence import Sequence
     from verispec.models.loader import LoadedModel
+    from verispec.sequence import Sequence
+    from verispec.speculative.cost_model import CostModel
 
 
 @dataclass(frozen=True)
@@ -112,20 +102,81 @@ class Outcome:
     aux_logits: Tensor | None = None  # [m, vocab] target logits of the proposal's aux branch
 
 
-class Drafter(Protocol):
-    """What every speculative method implements."""
+# (a prompt length or a count of generated tokens, its time in units of the reference step)
+CatchUpTimes = list[tuple[int, float]]
 
+
+@dataclass(frozen=True)
+class DraftCalibration:
+    """A drafter's warm costs, each in units of the target's decode step (see
+    :meth:`Drafter.calibrate`): one draft step, reading prompts of some lengths, and catching up
+    on some numbers of generated tokens it did not draft for."""
+
+    draft_step: float
+    reads: CatchUpTimes
+    resumes: CatchUpTimes
+
+
+class Drafter(abc.ABC):
+    """What every speculative method implements (the four abstract methods), and the optional
+    capabilities the engine may use, each declared here with the default that means "not used".
+
+    Capabilities:
+
+    * ``hidden_layers``: the target hidden-state layers the drafter reads (0 = embeddings,
+      i = after layer i, -1 = the final normed state). When set, the engine puts those layers,
+      concatenated, in ``seq.target_hidden`` before ``start`` and every ``feedback``: after
+      prefill every prompt position the pass ran, after a round the rows of the committed
+      tokens' inputs. ``None``: the drafter reads none, and the engine asks for none.
+    * ``last_prompt_state_only``: with ``hidden_layers``, ``start`` reads only the last prompt
+      position's state, so prefix caching (which runs only the positions a slot did not keep)
+      stays on for it.
+    * ``stops_within_round``: the drafter can stop a round's chain before k drafts on a rule the
+      engine binds with :meth:`bind_stop` (an adaptive controller's ``keep_drafting``).
+    * :meth:`bind_costs`: an adaptive engine hands over its measured cost model (lookahead
+      prices its window with it).
+    * :meth:`reads_prompts_as`: how the target reads prompts, for a drafter that reads them too.
+    * :meth:`calibrate`: warm timings of the drafter's own costs, which an adaptive engine takes
+      once, on an empty slot, when it is built.
+    """
+
+    hidden_layers: tuple[int, ...] | None = None
+    last_prompt_state_only: bool = False
+    stops_within_round: bool = False
+
+    @abc.abstractmethod
     def start(self, seq: Sequence) -> None:
         """A new sequence: its prompt (and first output token) are known; build any state."""
 
+    @abc.abstractmethod
     def propose(self, seq: Sequence, k: int) -> Proposal:
         """Return up to k draft tokens continuing ``seq.token_ids``; may return fewer or none."""
 
+    @abc.abstractmethod
     def feedback(self, seq: Sequence, outcome: Outcome) -> None:
         """Learn the verification result; roll back any state past the committed tokens."""
 
+    @abc.abstractmethod
     def finish(self, seq: Sequence) -> None:
         """The sequence is done; drop its state."""
+
+    def bind_costs(self, costs: CostModel) -> None:
+        """Keep the engine's measured cost model (called once, by an adaptive engine)."""
+
+    def bind_stop(self, keep: Callable[[Sequence, int, float], bool] | None) -> None:
+        """Stop a round's chain early where ``keep(seq, n, value)`` says no more drafts pay
+        (called once, by an adaptive engine, on a drafter with ``stops_within_round``)."""
+        raise NotImplementedError(f"{type(self).__name__} declares stops_within_round but has no bind_stop")
+
+    def reads_prompts_as(self, prefill: bool) -> None:
+        """The target reads prompts in one prefill pass (``prefill=True``) or through the decode
+        path (``False``, an engine with prefix caching); called once, when the engine is built."""
+
+    def calibrate(self, slot: int, token: int, reference: Callable[[], object]) -> DraftCalibration | None:
+        """Warm timings of the drafter's costs, each in runs of ``reference()`` (the target's
+        decode step) timed just before it, taken in the drafter's own cache ``slot`` (left
+        empty) with any ``token``; ``None`` when its costs are too small to be worth timing."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -139,39 +190,3 @@ class DrafterContext:
     target: LoadedModel
     max_model_len: int
     max_num_seqs: int = 1
-
-
-DrafterFactory = Callable[["SpeculativeConfig", DrafterContext], Drafter]
-
-_REGISTRY: dict[str, DrafterFactory] = {}
-
-
-def register_drafter(method: str) -> Callable[[DrafterFactory], DrafterFactory]:
-    def wrap(factory: DrafterFactory) -> DrafterFactory:
-        _REGISTRY[method] = factory
-        return factory
-
-    return wrap
-
-
-def available_methods() -> list[str]:
-    _load_builtin_drafters()
-    return sorted(_REGISTRY)
-
-
-def check_method(method: str) -> None:
-    """Raise a clear error, listing the valid methods, if ``method`` is not registered."""
-    if method not in available_methods():
-        raise ValueError(
-            f"unknown speculative method {method!r}; valid methods: {', '.join(available_methods())}"
-        )
-
-
-def build_drafter(config: SpeculativeConfig, context: DrafterContext) -> Drafter:
-    check_method(config.method)
-    return _REGISTRY[config.method](config, context)
-
-
-def _load_builtin_drafters() -> None:
-    # Importing the modules runs their @register_drafter decorators.
-    from verispec.speculative import draft_model, eagle, lookahead, medusa, ngram, suffix  # noqa: F401

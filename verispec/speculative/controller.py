@@ -54,7 +54,7 @@ from verispec.speculative.cost_model import CostModel, ema, speedups
 
 if TYPE_CHECKING:
     from verispec.config import SpeculativeConfig
-    from verispec.engine.sequence import Sequence as Seq
+    from verispec.sequence import Sequence as Seq
 
 
 # ---- the interface -------------------------------------------------------------------------

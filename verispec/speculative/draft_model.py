@@ -26,7 +26,6 @@ only: the rule is exact for any q.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -36,13 +35,13 @@ import torch
 from torch import Tensor, nn
 
 from verispec import kernels
-from verispec.config import DRAFT_HEAD_QUANTIZATIONS, SpeculativeConfig
-from verispec.engine.sequence import Sequence, common_prefix
+from verispec.config import DRAFT_HEAD_QUANTIZATIONS
+from verispec.sequence import Sequence, common_prefix
 from verispec.models.decoder import PREFILL_MIN_TOKENS, Decoder, invariant_linear
 from verispec.models.native import NativeLinear, gguf_quantized
 from verispec.models.registry import BUNDLED_MODELS
 from verispec.sampling import logits_to_probs, sample
-from verispec.speculative.base import Drafter, DrafterContext, Outcome, Proposal, register_drafter
+from verispec.speculative.base import DraftCalibration, Drafter, Outcome, Proposal
 from verispec.speculative.cost_model import relative_time
 
 if TYPE_CHECKING:
@@ -195,7 +194,7 @@ def bundled_draft_vocab_size(name: str) -> int | None:
 DECODE_CHUNK = PREFILL_MIN_TOKENS - 1
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     stops_within_round = True  # a chain that stops where the bound rule says (bind_stop)
 
     def __init__(self, draft: LoadedModel, target_vocab: int, max_model_len: int, num_slots: int = 1,
@@ -338,8 +337,7 @@ class DraftModelDrafter:
     CALIBRATION_READS = (32, 64, 128, 256)  # prompt lengths timed by :meth:`calibrate`
     CALIBRATION_RESUMES = (8, 16, 32, DECODE_CHUNK)  # catch-ups on generated tokens timed by it
 
-    def calibrate(self, slot: int, token: int, reference: Callable[[], object]
-                  ) -> tuple[float, list[tuple[int, float]], list[tuple[int, float]]]:
+    def calibrate(self, slot: int, token: int, reference: Callable[[], object]) -> DraftCalibration:
         """Warm timings for a cost model, each in runs of ``reference`` (the target's decode
         step) timed just before it (:func:`~verispec.speculative.cost_model.relative_time`): (a draft
         step, [(prompt length, time to read it)], [(generated tokens, time to catch up on
@@ -364,7 +362,7 @@ class DraftModelDrafter:
         resumes = [(n, relative_time(lambda: resume(n), reference))
                    for n in self.CALIBRATION_RESUMES if context + n <= room]
         self.cache.reset(slot)
-        return step, reads, resumes
+        return DraftCalibration(step, reads, resumes)
 
     def _forward(self, slot: int, tokens: list[int], prefill: bool = False) -> torch.Tensor:
         """Feed ``tokens``; return the next-token logits over the target's vocabulary [V_target]."""
@@ -414,44 +412,3 @@ class DraftModelDrafter:
             return logits[..., : self.target_vocab]
         pad = logits.new_full((*logits.shape[:-1], self.target_vocab - logits.shape[-1]), float("-inf"))
         return torch.cat((logits, pad), dim=-1)
-
-
-@register_drafter("draft_model")
-def make_draft_model_drafter(config: SpeculativeConfig, context: DrafterContext) -> Drafter:
-    if not config.model:
-        raise ValueError('method "draft_model" needs "model": a bundled name, HF directory or .gguf path')
-    from verispec.models.loader import load_model  # the loader pulls in transformers; load lazily
-
-    target = context.target
-    draft = load_model(config.model, device=target.model.device, dtype=target.model.dtype,
-                       quantization=config.quantization)
-    draft.model.kv_cache_dtype = target.model.kv_cache_dtype  # its cache kept as the target's
-    return draft_model_drafter(draft, config, context)
-
-
-def draft_model_drafter(draft: LoadedModel, config: SpeculativeConfig, context: DrafterContext) -> Drafter:
-    """The chain or tree drafter that ``config`` asks for, over an already loaded draft model,
-    with suffix decoding first if ``config.enable_suffix_decoding``.
-
-    Callers that run several configurations on one draft model (the benchmark harness) load it
-    once and build each drafter here; every drafter keeps its own KV cache.
-    """
-    if config.enable_suffix_decoding:
-        from verispec.speculative.hybrid import SuffixFirstDrafter
-        from verispec.speculative.suffix import make_suffix_drafter
-
-        fallback = draft_model_drafter(draft, dataclasses.replace(config, enable_suffix_decoding=False), context)
-        return SuffixFirstDrafter(make_suffix_drafter(config), fallback, config.suffix_decoding_min_score)
-    check_vocab_compatible(context.target, draft)
-    vocab = context.target.model.config.vocab_size
-    if config.is_tree:
-        from verispec.speculative.draft_tree import TreeDraftModelDrafter
-
-        return TreeDraftModelDrafter(
-            draft, vocab, context.max_model_len, topk=config.speculative_eagle_topk, budget=config.tree_budget,
-            children=config.tree_children, choices=config.speculative_token_tree,
-            depth=config.num_speculative_tokens, num_slots=context.max_num_seqs,
-            draft_vocab_size=config.draft_vocab_size, draft_head_quantization=config.draft_head_quantization,
-        )
-    return DraftModelDrafter(draft, vocab, context.max_model_len, context.max_num_seqs, config.draft_vocab_size,
-                             config.draft_head_quantization)

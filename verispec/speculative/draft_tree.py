@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verispec.engine.sequence import Sequence
+from verispec.sequence import Sequence
 from verispec.speculative.base import Outcome, Proposal
 from verispec.speculative.draft_model import DraftModelDrafter
 from verispec.speculative.tree import Tree

@@ -18,29 +18,30 @@ Contracts:
 * A suffix proposal is deterministic (``probs`` None: q one-hot), a model's carries its q; each
   round's proposal is verified by the rule that fits it, so the output is the target's either
   way, greedy or sampled.
-* What the engine asks of a drafter beyond the protocol (``calibrate``, ``reads_prompts_as``,
-  ``hidden_layers``, ...) is the model-based drafter's: its costs are the ones worth measuring.
+* The optional capabilities of :class:`~verispec.speculative.base.Drafter` (``calibrate``,
+  ``reads_prompts_as``, ``hidden_layers``, ...) are the model-based drafter's: its costs are the ones worth measuring.
   The controller sees one drafter, so the per-draft cost it learns from the rounds is an average
   over both kinds, which is what a round costs in expectation while the mix holds.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from verispec.speculative.base import Drafter, Outcome, Proposal
-from verispec.speculative.cost_model import ema
+from verispec.speculative.base import DraftCalibration, Drafter, Outcome, Proposal
+from verispec.speculative.cost_model import CostModel, ema
 from verispec.speculative.suffix import SuffixDrafter
 
 if TYPE_CHECKING:
-    from verispec.engine.sequence import Sequence
+    from verispec.sequence import Sequence
 
 
 # EMA weight of one suffix round in a request's calibration (accepted tokens over the score).
 CALIBRATION_WEIGHT = 0.3
 
 
-class SuffixFirstDrafter:
+class SuffixFirstDrafter(Drafter):
     """Propose the suffix draft when its calibrated score is at least ``min_score``, else
     ``fallback``'s.
 
@@ -60,11 +61,31 @@ class SuffixFirstDrafter:
         self._calibration: dict[int, float] = {}  # slot -> accepted / predicted, EMA
         self._predicted: dict[int, float] = {}  # slot -> the score of the suffix draft under way
 
-    def __getattr__(self, name: str) -> Any:
-        # only reached for what this class does not define: the fallback's optional interface
-        if name in ("suffix", "fallback"):
-            raise AttributeError(name)
-        return getattr(self.fallback, name)
+    # The optional capabilities are the fallback's (see the module doc).
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...] | None:  # type: ignore[override]
+        return self.fallback.hidden_layers
+
+    @property
+    def last_prompt_state_only(self) -> bool:  # type: ignore[override]
+        return self.fallback.last_prompt_state_only
+
+    @property
+    def stops_within_round(self) -> bool:  # type: ignore[override]
+        return self.fallback.stops_within_round
+
+    def bind_costs(self, costs: CostModel) -> None:
+        self.fallback.bind_costs(costs)
+
+    def bind_stop(self, keep: Callable[[Sequence, int, float], bool] | None) -> None:
+        self.fallback.bind_stop(keep)
+
+    def reads_prompts_as(self, prefill: bool) -> None:
+        self.fallback.reads_prompts_as(prefill)
+
+    def calibrate(self, slot: int, token: int, reference: Callable[[], object]) -> DraftCalibration | None:
+        return self.fallback.calibrate(slot, token, reference)
 
     def start(self, seq: Sequence) -> None:
         self._calibration[seq.slot] = 1.0

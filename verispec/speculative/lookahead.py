@@ -58,10 +58,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from verispec.config import SpeculativeConfig
-from verispec.speculative.base import AuxBranch, DrafterContext, Outcome, Proposal, register_drafter
+from verispec.speculative.base import AuxBranch, Drafter, DrafterContext, Outcome, Proposal
 
 if TYPE_CHECKING:
-    from verispec.engine.sequence import Sequence as Seq
+    from verispec.sequence import Sequence as Seq
     from verispec.speculative.cost_model import CostModel
 
 __all__ = ["NgramPool", "LookaheadDrafter", "WindowGate", "window_branch"]
@@ -200,7 +200,7 @@ class _Request:
         self.guessed: list[bool] = []  # per draft of the round under way: from a window-only n-gram
 
 
-class LookaheadDrafter:
+class LookaheadDrafter(Drafter):
     """``lookahead``: Jacobi window of ``window`` columns, ``ngram``-grams, ``guess`` per key."""
 
     def __init__(self, window: int, ngram: int, guess: int, seed: int = 0) -> None:
@@ -252,7 +252,6 @@ class LookaheadDrafter:
         self._requests.pop(seq.slot, None)
 
 
-@register_drafter("lookahead")
 def make_lookahead_drafter(config: SpeculativeConfig, context: DrafterContext) -> LookaheadDrafter:
     if context.target.model.config.sliding_window is not None:
         raise ValueError("lookahead decoding does not support sliding-window attention models")

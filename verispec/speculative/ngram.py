@@ -41,10 +41,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from verispec.config import SpeculativeConfig
-from verispec.speculative.base import DrafterContext, Outcome, Proposal, register_drafter
+from verispec.speculative.base import Drafter, DrafterContext, Outcome, Proposal
 
 if TYPE_CHECKING:
-    from verispec.engine.sequence import Sequence as Seq
+    from verispec.sequence import Sequence as Seq
 
 __all__ = ["NgramIndex", "NgramDrafter"]
 
@@ -198,7 +198,7 @@ class NgramIndex:
             node = child
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """``ngram`` (prompt lookup): deterministic drafts copied from earlier in the sequence.
 
     With ``topk > 1`` it proposes a token trie: the distinct continuations of up to ``topk``
@@ -251,7 +251,6 @@ def trie_proposal(continuations: list[list[int]], budget: int) -> Proposal:
     return Proposal(tokens, parents=tuple(parents), children="topk")
 
 
-@register_drafter("ngram")
 def make_ngram_drafter(config: SpeculativeConfig, context: DrafterContext) -> NgramDrafter:
     if config.speculative_token_tree is not None:
         raise ValueError("ngram proposes a trie of earlier continuations; speculative_token_tree does not apply")

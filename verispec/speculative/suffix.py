@@ -53,10 +53,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from verispec.config import SpeculativeConfig
-from verispec.speculative.base import DrafterContext, Outcome, Proposal, register_drafter
+from verispec.speculative.base import Drafter, DrafterContext, Outcome, Proposal
 
 if TYPE_CHECKING:
-    from verispec.engine.sequence import Sequence as Seq
+    from verispec.sequence import Sequence as Seq
 
 __all__ = ["SuffixTrie", "SuffixStore", "SuffixDraft", "SuffixDrafter"]
 
@@ -228,7 +228,7 @@ class _RequestState:
         self.open = self.trie.extend(self.open, tokens)
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """``suffix``: deterministic drafts from the request's own trie and the global store."""
 
     def __init__(self, max_tree_depth: int, max_cached_requests: int, max_cached_tokens: int,
@@ -261,7 +261,6 @@ class SuffixDrafter:
         self.store.add(seq.output_ids)
 
 
-@register_drafter("suffix")
 def make_suffix_drafter(config: SpeculativeConfig, context: DrafterContext | None = None) -> SuffixDrafter:
     return SuffixDrafter(
         config.suffix_decoding_max_tree_depth,

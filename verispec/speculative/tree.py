@@ -36,6 +36,8 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from verispec.config import tree_choices
+
 
 @dataclass(frozen=True)
 class Tree:
@@ -69,14 +71,9 @@ class Tree:
         Every proper prefix of a choice must itself be a choice. Nodes are numbered by depth,
         then by rank tuple, so parents always come before their children.
         """
-        paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
         index = {(): 0}
         parents, ranks = [-1], [-1]
-        for path in paths:
-            if not path or any(r < 0 for r in path):
-                raise ValueError(f"a choice must be a non-empty tuple of ranks >= 0, got {path}")
-            if path[:-1] not in index:
-                raise ValueError(f"choice {path} has no parent choice {path[:-1]}")
+        for path in tree_choices(choices):
             index[path] = len(parents)
             parents.append(index[path[:-1]])
             ranks.append(path[-1])

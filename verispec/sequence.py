@@ -13,7 +13,7 @@ import torch
 
 from verispec.config import SamplingParams
 from verispec.detokenize import IncrementalDetokenizer, StopChecker
-from verispec.speculative.metrics import SpecMetrics
+from verispec.metrics import SpecMetrics
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
