@@ -4,8 +4,8 @@ Importing the package sets ``OMP_WAIT_POLICY=PASSIVE`` for the process unless th
 ``GOMP_SPINCOUNT``) is already set. It takes effect only if torch is not imported yet (the OpenMP
 runtime reads it when torch loads it). Why: torch's own ops between the native kernels' calls run
 OpenMP parallel regions, and by default the OpenMP worker then spins for a while on the second
-core, where the kernels' own worker needs to run. On a 2-vCPU AVX512 EPYC a 1.5B decode step took
-38-42 ms with the default and 31-35 ms with the passive policy (docs/kernels.md, Threads).
+core, where the kernels' own worker needs to run, and every decode step waits for it. The
+passive policy made decode steps clearly faster (docs/kernels.md, Threads).
 """
 
 import os as _os

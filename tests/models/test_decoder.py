@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tiny import tiny_model
+from verispec import kernels
 from verispec.models import decoder
 from verispec.models.decoder import DecoderConfig, DecoderLayer, UnsupportedModelError
 from verispec.models.kv_cache import KVCache
@@ -84,7 +85,7 @@ def test_a_long_prefill_stays_whole_where_blocks_would_repeat_weight_work(case, 
     if case == "packed":
         quantize_(model, "int8", dense_prefill=False, native=False)
     else:
-        monkeypatch.setattr(decoder, "cpu_has_native_bf16", lambda: False)
+        monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: False)
     blocks = []
     real = DecoderLayer._output
     monkeypatch.setattr(DecoderLayer, "_output", lambda self, x, a, p: blocks.append(x.shape[:2]) or real(self, x, a, p))

@@ -217,25 +217,24 @@ def test_cli_flags_reach_the_parser():
 def test_native_bf16_probe_agrees_with_the_cpu_flags():
     """The probe that picks the prefill path (and whether quantized layers keep dense copies)
     must see what the kernel reports: a wrong answer silently costs a 5x slower prefill."""
-    from verispec.models.decoder import cpu_has_native_bf16
 
     flags = set()
     for line in open("/proc/cpuinfo"):
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
             break
-    assert cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})
+    assert kernels.cpu_has_native_bf16() == bool(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})
 
 
 def test_dense_prefill_copies_follow_the_override_and_never_come_without_native_bf16(monkeypatch):
-    from verispec.models import decoder, native
+    from verispec.models import native
 
     decide = native.dense_prefill_pays.__wrapped__  # the uncached decision
     monkeypatch.setattr(native, "measure_prefill_paths", lambda: pytest.fail("measured despite the override"))
     monkeypatch.setenv(native.DENSE_PREFILL_ENV, "1")
-    monkeypatch.setattr(decoder, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: False)
     assert decide() is False  # a bf16 GEMM without bf16 arithmetic is never the faster prefill
-    monkeypatch.setattr(decoder, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: True)
     if not kernels.available():
         assert decide() is False
         return
@@ -249,12 +248,12 @@ def test_dense_prefill_copies_follow_the_override_and_never_come_without_native_
 
 @pytest.mark.skipif(not kernels.available(), reason="needs the native kernels")
 def test_the_measured_prefill_choice_is_taken_once_and_kept(monkeypatch, tmp_path):
-    from verispec.models import decoder, native
+    from verispec.models import native
 
     decide = native.dense_prefill_pays.__wrapped__
     monkeypatch.setenv("VERISPEC_HOME", str(tmp_path))
     monkeypatch.delenv(native.DENSE_PREFILL_ENV, raising=False)
-    monkeypatch.setattr(decoder, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(kernels, "cpu_has_native_bf16", lambda: True)
     native_s, dense_s = native.measure_prefill_paths(repeats=1)  # the real probe runs and times both
     assert 0 < native_s < 10 and 0 < dense_s < 10
     monkeypatch.setattr(native, "measure_prefill_paths", lambda: (2.0, 1.0))  # the GEMM twice as fast

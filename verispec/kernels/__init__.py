@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from verispec.runtime import verispec_home
+
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("ref.cpp", "avx2.cpp", "avxvnni.cpp", "avx512.cpp", "amx.cpp", "attention.cpp", "attention_avx2.cpp",
            "attention_avx512.cpp", "pool.cpp", "layer.cpp", "ops.cpp")
@@ -91,7 +93,6 @@ def native():
             stacklevel=2,
         )
         return None
-    from verispec.models.registry import verispec_home
     from torch.utils import cpp_extension
 
     build = verispec_home() / "kernels" / build_key()
@@ -290,3 +291,14 @@ def qkv_rope(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: int) -
     what takes about twenty PyTorch ops, with the same bits as the decoder's PyTorch form."""
     q, k, v = _lib().qkv_rope(qkv, cos, sin, heads, kv_heads)
     return q, k, v
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX)."""
+    # torch.cpu carries the probes in current releases; torch._C._cpu held them in older ones.
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    for module in (torch.cpu, getattr(torch._C, "_cpu", None)):
+        if module is not None and any(hasattr(module, name) for name in checks):
+            return any(getattr(module, name, lambda: False)() for name in checks)
+    return False

@@ -14,7 +14,6 @@ greedy decoding token for token.
 
 from __future__ import annotations
 
-import functools
 import math
 import operator
 import weakref
@@ -25,16 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from verispec.models.errors import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from verispec.models.kv_cache import KVCache
 from verispec import kernels
 from verispec.models.native import NativeLinear, native_layer
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint is valid but describes a model verispec cannot run."""
-
 
 @dataclass(frozen=True)
 class DecoderConfig:
@@ -159,9 +152,9 @@ def _rotate_half(x: Tensor) -> Tensor:
 # native bf16 arithmetic it computes in float32, where a bf16 GEMM is several times slower than
 # upcasting the weight and running an fp32 GEMM (measured 5.5x at 800 rows on an AVX2 machine);
 # on CPUs with it (AVX512-BF16, AMX), packed quantized layers may multiply by a dense bf16 copy
-# of their weight instead of running their packed kernel (PyTorch's int4 kernel took 11.8 s for a
-# 709-token prompt on an AMX Xeon, against ~1.4 s for a bf16 GEMM; the native kernels keep such
-# copies only where they measure faster, see verispec.models.native.dense_prefill_pays); dense
+# of their weight instead of running their packed kernel (PyTorch's int4 kernel was about eight
+# times slower than a bf16 GEMM on a long prompt with AMX; the native kernels keep such copies
+# only where they measure faster, see verispec.models.native.dense_prefill_pays); dense
 # layers run one GEMM over all rows instead of row-invariant chunks
 # (:func:`invariant_linear`). Only a pass the caller marks as a prefill takes it, so decode and
 # verify passes, however wide, keep the batch-invariant path; a prompt is prefilled the same way
@@ -171,27 +164,16 @@ PREFILL_MIN_TOKENS = 64
 # A prefill pass's output projection and MLP run on at most this many rows at a time (in equal
 # blocks): over all rows at once, the MLP's float32 intermediates (8960 x 2 wide for the 1.5B
 # model: 70 KB a row) leave the caches, and torch's elementwise ops between the GEMMs become
-# bound by memory. Measured on the AMX Xeon with the dense bf16 copies (1.5B, 2 threads,
-# alternated, medians of 3): a 700-token prompt 2.18 -> 1.76 s, 1,000 tokens 3.54 -> 2.75 s,
-# 500 tokens 1.44 -> 1.16 s; blocks of 64 or 128 rows were slower, 384 and 512 no faster.
+# bound by memory. With the dense bf16 copies, blocks of 256 took about a fifth off prompts of
+# 500 to 1,000 tokens; blocks of 64 or 128 rows were slower, 384 and 512 no faster
+# (docs/kernels.md, Prompts' prefill).
 PREFILL_ROW_BLOCK = 256
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX)."""
-    # torch.cpu carries the probes in current releases; torch._C._cpu held them in older ones.
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    for module in (torch.cpu, getattr(torch._C, "_cpu", None)):
-        if module is not None and any(hasattr(module, name) for name in checks):
-            return any(getattr(module, name, lambda: False)() for name in checks)
-    return False
 
 
 def _upcast(x: Tensor) -> bool:
     """Whether a prefill pass computes in float32: half-precision activations on a CPU without
     native bf16 arithmetic."""
-    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and not cpu_has_native_bf16()
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and not kernels.cpu_has_native_bf16()
 
 
 # Dense matmuls of decode and verify passes run on at most this many rows at a time.
@@ -202,20 +184,20 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     """``F.linear(x, weight, bias)`` with every output row computed as it would be alone.
 
     CPU GEMM libraries pick their kernel and blocking from the problem shape, so a row's last
-    bits can change with the number of rows beside it. Measured with torch 2.13 on an AMX Xeon
+    bits can change with the number of rows beside it. Measured with torch 2.13 on a CPU with AMX
     (native bf16): a one-row bf16 product takes another kernel than a multi-row one, and with the
     1.5B model's real weights the 8960-wide down projection already differs at 2-4 rows; a
-    ``[1, T, K]`` input with a wide output (gate/up, LM head) changes from T = 13. So the input
-    is flattened to 2-D and multiplied ``ROW_CHUNK`` rows at a time, and on such CPUs each chunk
-    of bf16 rows is padded with zero rows to ``ROW_CHUNK``: every pass, a one-token decode step
-    included, then runs the same kernel on the same shape, and a row's result depends only on
-    that row. Padding costs little there (the product is bound by reading the weight, and AMX
-    computes 16 rows in about the time of one: +1-7% per layer, 25 -> 38 ms for the 151936-wide
+    ``[1, T, K]`` input with a wide output (gate/up, LM head) changes from T = 13. So the input is
+    flattened to 2-D and multiplied ``ROW_CHUNK`` rows at a time, and on such CPUs each chunk of
+    bf16 rows is padded with zero rows to ``ROW_CHUNK``: every pass, a one-token decode step
+    included, then runs the same kernel on the same shape, and a row's result depends only on that
+    row. Padding costs little there (the product is bound by reading the weight, and AMX computes 16
+    rows in about the time of one: a few per cent per layer, about half again for the 151936-wide
     tied LM head of a bf16 model); without native bf16 a multi-row bf16 product is compute bound,
     the kernels there keep rows invariant unpadded (tested), and none is added. float32 rows are
-    padded on every CPU: torch 2.13's float32 GEMM on the AMX Xeon changed rows with the row count
-    in all three of the linear, attention and whole-model tests, and native models run their
-    activations (attention included) in float32.
+    padded on every CPU: torch 2.13's float32 GEMM with AMX changed rows with the row count in all
+    three of the linear, attention and whole-model tests, and native models run their activations
+    (attention included) in float32.
     """
     if torch.compiler.is_compiling():
         # The compiled steps pad rows to their own buckets, and inductor's code for the plain
@@ -228,7 +210,7 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
 
 def invariant_matmul(a: Tensor, b: Tensor) -> Tensor:
     """``torch.matmul(a, b)`` for ``a [..., M, K]``, with every row of ``a`` computed as it
-    would be alone (see :func:`invariant_linear`). Attention needs it too: on an AMX Xeon the
+    would be alone (see :func:`invariant_linear`). Attention needs it too: with AMX the
     probs @ V product of 42 rows (7 tokens x 6 query heads per KV head) and of 6 rows (one
     decode step) round differently over 768 keys, which made a Qwen 1.5B verify pass of 7
     tokens disagree with plain decoding."""
@@ -239,7 +221,7 @@ def _by_row_chunks(x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
     """``fn`` applied to ``x [..., M, K]`` ``ROW_CHUNK`` rows (dim -2) at a time, each chunk of
     float32 rows, and of bf16 rows on CPUs with native bf16, zero-padded to ``ROW_CHUNK``; ``fn``
     must be row-wise."""
-    pad = x.device.type == "cpu" and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and cpu_has_native_bf16()))
+    pad = x.device.type == "cpu" and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and kernels.cpu_has_native_bf16()))
     outs = []
     for rows in x.split(ROW_CHUNK, dim=-2):
         n = rows.shape[-2]
@@ -387,7 +369,7 @@ class DecoderLayer(nn.Module):
         elif prefill and x.dtype == torch.float32:
             # a long prompt in float32 without the native kernels: one fused attention call. Its
             # rows need not match decode steps (plain and speculative decoding prefill alike),
-            # and the row-chunked form cost a 1.5B 700-token prefill 0.5 s more.
+            # and the row-chunked form made a long prompt's prefill measurably slower.
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         else:
             attn = grouped_attention(q, keys, values, mask)  # [B, H, T, D]
@@ -574,8 +556,8 @@ class Decoder(nn.Module):
         x = self.embed(token_ids)  # [B, T, hidden]
         hidden = [x] if output_hidden_states else None
         # A native model without dense prefill copies prefills through its one-call layers: the
-        # same kernels as the layer-by-layer path, without torch's elementwise ops between them
-        # (700 tokens of the 1.5B model on a Zen 4 EPYC: 5.1-5.3 s against 5.7 s).
+        # same kernels as the layer-by-layer path, without torch's elementwise ops between them,
+        # which measured a little faster on long prompts.
         natives = self._native_layers(x) if not fast or self.prefills_on_the_decode_kernels() else None
         fast = fast and natives is None
         steps = EAGER_STEPS if fast else self.steps
@@ -609,7 +591,7 @@ class Decoder(nn.Module):
                 and self.config.head_dim % 16 == 0 and kernels.available()):
             return None
         # what the layers are made from, read from the modules' own dicts (nn.Module's attribute
-        # lookup made this check cost 280 us a pass on the 1.5B model; now about 16)
+        # lookup made this check cost over ten times as much, a visible part of a pass)
         key = []
         for layer in self.layers:
             mods = layer._modules

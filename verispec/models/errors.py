@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["CorruptGGUFError", "ModelFileNotFoundError", "ModelLoadError"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "CorruptGGUFError", "ModelFileNotFoundError", "ModelLoadError",
+           "UnsupportedModelError"]
+
+# The Hugging Face architectures the decoder runs (named in UnsupportedModelError's messages).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
 class ModelLoadError(ValueError):
@@ -26,3 +30,6 @@ class CorruptGGUFError(ModelLoadError):
     def __init__(self, path: Path, reason: str) -> None:
         super().__init__(f"corrupt or truncated GGUF file: {path} ({reason})")
 
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is valid but describes a model verispec cannot run."""

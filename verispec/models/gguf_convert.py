@@ -35,7 +35,7 @@ never leaves a half-written cache and two processes never convert the same file 
 
 Errors are :class:`~verispec.models.errors.ModelLoadError` and its subclasses
 (:class:`~verispec.models.errors.CorruptGGUFError` for an unreadable file); an architecture
-verispec cannot convert or run raises :class:`~verispec.models.decoder.UnsupportedModelError`.
+verispec cannot convert or run raises :class:`~verispec.models.errors.UnsupportedModelError`.
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ from torch import Tensor
 from tqdm import tqdm
 
 from verispec.models.files import file_lock, fsync_dir
-from verispec.models.decoder import SUPPORTED_ARCHITECTURES, UnsupportedModelError
-from verispec.models.errors import CorruptGGUFError, ModelFileNotFoundError, ModelLoadError
+from verispec.models.errors import (
+    SUPPORTED_ARCHITECTURES, CorruptGGUFError, ModelFileNotFoundError, ModelLoadError, UnsupportedModelError,
+)
 from verispec.runtime import verispec_home
 from verispec.models.tokenizer import collect_eos_ids
 

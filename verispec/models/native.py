@@ -11,8 +11,8 @@ keeps its dense weights; :func:`use_gguf_weights_` reports how many did.
 Repacking happens once per GGUF file: the packed parts are written to
 ``$VERISPEC_HOME/repacked/<key>/`` (the key hashes the file's path, size and modification time
 and the kernels' layout) and later loads map them from there (copy-on-write, so the pages are
-shared between processes and nothing is copied). Repacking the 1.5B model took 1.9 s of a 5.9 s
-load. A cache that cannot be written only costs the repacking.
+shared between processes and nothing is copied). Repacking is about a third of a first load's
+time. A cache that cannot be written only costs the repacking.
 
 Exactness. Each output row of a native layer is bit-identical whatever the number of rows and
 threads (the kernels' contract), so decode, verify and tree passes agree bit for bit, as
@@ -25,9 +25,9 @@ outputs agree.
 Whether to keep those copies is measured, once per machine (:func:`dense_prefill_pays`). They
 cost a second copy of every layer's weights and prefix caching (the engine reuses cached K/V
 only where every prompt is prefilled through the decode kernels), so they are kept only where a
-bf16 GEMM prefills clearly faster than the kernels: with AMX a 700-token prefill took 2.24 s
-through them, while on a Zen 4 EPYC with AVX512-BF16 but no AMX the kernels were faster (4.7-5.3
-against 5.9-7.6 s through the copies).
+bf16 GEMM prefills clearly faster than the kernels: with AMX the copies were more than twice as
+fast, while on a CPU with AVX512-BF16 but no AMX the kernels were faster (docs/kernels.md,
+Prompts' prefill).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from verispec import kernels
 from verispec.kernels import KernelError, PackedWeight
+from verispec.runtime import verispec_home
 
 __all__ = ["NativeLinear", "use_gguf_weights_", "is_native", "float_activations_", "RepackCache",
            "NATIVE_FORMATS", "native_unfit", "quantize_native_", "gguf_quantized", "native_layer", "dense_prefill_pays"]
@@ -67,8 +68,6 @@ class RepackCache:
     :meth:`save` (to a temporary directory that is then renamed), so a reader never sees half."""
 
     def __init__(self, gguf_path: str | Path, root: Path | None = None) -> None:
-        from verispec.models.registry import verispec_home
-
         path = Path(gguf_path).resolve()
         st = path.stat()
         key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{kernels.layout_key()}".encode()).hexdigest()[:16]
@@ -152,7 +151,7 @@ class NativeLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("dense", onednn_weight(dense), persistent=False)
         # the arguments of the kernels' call, made once: a decode step makes a hundred calls, and
-        # kernels.matmul's checks, which these layers pass by construction, cost about 5 us each
+        # kernels.matmul's checks, which these layers pass by construction, add up over a step
         # (the packed buffers are uint8, which no dtype cast touches, and the layer is CPU-only)
         self._call = (kernels.native().linear, [p.fmt for p in parts], [p.data for p in parts],
                       [p.n for p in parts])
@@ -214,10 +213,10 @@ class NativeLinear(nn.Module):
 
 
 # The dense copies are stored in oneDNN's own blocked layout where PyTorch has oneDNN: F.linear
-# on a plain bf16 weight reorders the weight for oneDNN on every call. Measured on the AMX Xeon,
-# the four projections of one 1.5B layer, 2 threads: 14.2 -> 10.4 ms at 64 rows, 21.1 -> 16.2 at
-# 128, 52.2 -> 43.1 at 300, 108 -> 93 at 700 (medians of 9, alternated). The layout is chosen
-# for a batch size (this hint); other row counts run on it as fast (64 and 256 measured alike).
+# on a plain bf16 weight reorders the weight for oneDNN on every call, which made a layer's
+# projections up to a third slower on prompts of 64 to 700 rows (docs/kernels.md, Prompts'
+# prefill). The layout is chosen for a batch size (this hint); other row counts run on it as fast
+# (64 and 256 measured alike).
 _ONEDNN_ROWS_HINT = 128
 
 
@@ -249,9 +248,8 @@ def float_activations_(model: nn.Module) -> None:
 
     The loader's default for a native model on CPU. The kernels read float32 activations as they
     read bf16 ones (both are quantized per row), so float32 costs no weight bandwidth, and it
-    removes the bf16 conversions around every elementwise op: a 1.5B decode step took 77 ms in
-    float32 against 88 ms in bf16 on a 2-vCPU AMX Xeon, a 9-row verify pass 124 against 137
-    (docs/kernels.md)."""
+    removes the bf16 conversions around every elementwise op, which made decode steps and verify
+    passes about a tenth faster (docs/kernels.md, Float32 activations)."""
     natives = [m for m in model.modules() if isinstance(m, NativeLinear)]
     dense = [m.dense for m in natives]
     for m in natives:  # kept in bf16: not cast by .float()
@@ -261,8 +259,8 @@ def float_activations_(model: nn.Module) -> None:
         m.dense = d
     if hasattr(model, "kv_cache_dtype") and kernels.available():
         # The KV cache in float16, read by the native attention kernel as its exact floats: a
-        # decode step's attention is bound by the cache's bytes (1.5B model, 2,048 cached
-        # tokens, one layer on the AMX Xeon: 0.24 -> 0.12 ms), and half the memory per token.
+        # decode step's attention over a long cache is bound by the cache's bytes, so it halves
+        # that time, and half the memory per token.
         model.kv_cache_dtype = torch.float16
 
 
@@ -297,11 +295,10 @@ def dense_prefill_pays() -> bool:
     is measured once per CPU, kernel build and torch version and kept in
     ``$VERISPEC_HOME/kernels/<build>/prefill-<cpu>.json``: a Q4_K product of 256 rows through
     the kernels against the same product through torch's bf16 GEMM, alternated, the best of
-    each (about 0.3 s on a 2-core Zen 4). The copies are kept when the GEMM is at least
+    each (a fraction of a second). The copies are kept when the GEMM is at least
     ``DENSE_PREFILL_MIN_GAIN`` times as fast."""
-    from verispec.models.decoder import cpu_has_native_bf16
 
-    if not cpu_has_native_bf16() or not kernels.available():
+    if not kernels.cpu_has_native_bf16() or not kernels.available():
         return False
     env = os.environ.get(DENSE_PREFILL_ENV, "").strip()
     if env:
@@ -328,8 +325,6 @@ def dense_prefill_pays() -> bool:
 
 
 def _prefill_choice_path() -> Path:
-    from verispec.models.registry import verispec_home
-
     cpu = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -390,7 +385,6 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
     the default cache (True), in a directory (a path), or not at all (False). Raises
     :class:`KernelError` if the kernels are unavailable."""
     from verispec.models.gguf_convert import _unpermute_rotary, read_gguf_header
-    from verispec.models.quant import _as_linear
 
     if not kernels.available():
         raise KernelError("the native CPU kernels are not available on this machine (see the warning above)")
@@ -447,7 +441,7 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
             dense += new is old
             setattr(layer, attr, new)
     head_name = "output.weight" if "output.weight" in infos else "token_embd.weight"
-    head = model.lm_head if model.lm_head is not None else _as_linear(model.embed.weight)
+    head = model.lm_head if model.lm_head is not None else as_linear(model.embed.weight)
     new_head = native(head, [head_name], head=True)
     if new_head is head:
         dense += 1
@@ -471,7 +465,6 @@ def _projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
 
 def native_unfit(model: nn.Module, scheme: str, group_size: int) -> str | None:
     """Why the kernels cannot run ``scheme`` on every linear layer of ``model``, or None."""
-    from verispec.models.quant import _as_linear
 
     if scheme not in NATIVE_FORMATS:
         return f"the native kernels run {', '.join(NATIVE_FORMATS)}, not {scheme!r}"
@@ -479,7 +472,7 @@ def native_unfit(model: nn.Module, scheme: str, group_size: int) -> str | None:
         return f"int4 runs on the native kernels with groups of {NATIVE_INT4_GROUP} (Q4_1), not {group_size}"
     if not kernels.available():
         return "the native CPU kernels are not available on this machine (see the warning above)"
-    head = model.lm_head if model.lm_head is not None else _as_linear(model.embed.weight)
+    head = model.lm_head if model.lm_head is not None else as_linear(model.embed.weight)
     for lin in [getattr(layer, attr) for layer, attr in _projections(model)] + [head]:
         if not isinstance(lin, nn.Linear):
             return f"a layer is already {type(lin).__name__}"
@@ -509,7 +502,6 @@ def quantize_native_(model: nn.Module, scheme: str, keep_dense: bool) -> None:
     """Quantize ``model``'s projections to ``NATIVE_FORMATS[scheme]`` and its LM head to Q8_0 with
     gguf's reference quantizers, and run them on the kernels (call :func:`native_unfit` first).
     ``keep_dense``: keep a bf16 copy of each projection's dequantized weight for prompt prefill."""
-    from verispec.models.quant import _as_linear
 
     def make(lin: nn.Linear, fmt_name: str, head: bool = False) -> NativeLinear:
         bias = None if lin.bias is None else lin.bias.detach().float()
@@ -517,5 +509,13 @@ def quantize_native_(model: nn.Module, scheme: str, keep_dense: bool) -> None:
 
     for layer, attr in _projections(model):
         setattr(layer, attr, make(getattr(layer, attr), NATIVE_FORMATS[scheme]))
-    head = model.lm_head if model.lm_head is not None else _as_linear(model.embed.weight)
+    head = model.lm_head if model.lm_head is not None else as_linear(model.embed.weight)
     model.lm_head = make(head, "Q8_0", head=True)
+
+
+def as_linear(weight: Tensor) -> nn.Linear:
+    """A bias-free ``nn.Linear`` view of a [N, K] weight (for a tied embedding table)."""
+    with torch.device("meta"):
+        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    return lin

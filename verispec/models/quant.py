@@ -44,6 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from verispec import kernels
+from verispec.models import native as native_layers
+
 # "auto": a GGUF file on the CPU runs its own quantized weights on the native kernels ("gguf",
 # see verispec.models.native) where they are available, anything else is "none" (dense weights).
 SCHEMES = ("auto", "none", "gguf", "int8", "int4")
@@ -191,20 +194,15 @@ def quantize_(model: nn.Module, scheme: str, group_size: int = DEFAULT_INT4_GROU
             f"({type(packed[0]).__name__}); load it with quantization='none' first"
         )
     if native is not False:
-        from verispec.models.native import native_unfit, quantize_native_
-
-        why = native_unfit(model, scheme, group_size)
+        why = native_layers.native_unfit(model, scheme, group_size)
         if why is None:
-            from verispec.models.native import dense_prefill_pays
-
-            quantize_native_(model, scheme, dense_prefill_pays() if dense_prefill is None else bool(dense_prefill))
+            prefill_copies = native_layers.dense_prefill_pays() if dense_prefill is None else bool(dense_prefill)
+            native_layers.quantize_native_(model, scheme, prefill_copies)
             return model
         if native:
             raise QuantizationError(f"--quantization {scheme} cannot run on the native kernels: {why}")
     if dense_prefill is None:
-        from verispec.models.decoder import cpu_has_native_bf16
-
-        dense_prefill = cpu_has_native_bf16()
+        dense_prefill = kernels.cpu_has_native_bf16()
     keep = bool(dense_prefill)
     make = (lambda lin: Int8Linear(lin, keep)) if scheme == "int8" else (lambda lin: Int4Linear(lin, group_size, keep))
     if scheme == "int4":
@@ -214,21 +212,11 @@ def quantize_(model: nn.Module, scheme: str, group_size: int = DEFAULT_INT4_GROU
     for layer in model.layers:
         layer.qkv, layer.o_proj = make(layer.qkv), make(layer.o_proj)
         layer.gate_up, layer.down = make(layer.gate_up), make(layer.down)
-    head = model.lm_head if model.lm_head is not None else _as_linear(model.embed.weight)
+    head = model.lm_head if model.lm_head is not None else native_layers.as_linear(model.embed.weight)
     model.lm_head = Int8Linear(head)
     return model
 
 
-def _as_linear(weight: Tensor) -> nn.Linear:
-    """A bias-free ``nn.Linear`` view of a [N, K] weight (for a tied embedding table)."""
-    with torch.device("meta"):
-        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    lin.weight = nn.Parameter(weight, requires_grad=False)
-    return lin
-
-
 def is_quantized(model: nn.Module) -> bool:
     """Whether any layer runs packed weights (PyTorch's kernels or the native ones)."""
-    from verispec.models.native import NativeLinear
-
-    return any(isinstance(m, (Int8Linear, Int4Linear, NativeLinear)) for m in model.modules())
+    return any(isinstance(m, (Int8Linear, Int4Linear, native_layers.NativeLinear)) for m in model.modules())

@@ -381,8 +381,8 @@ class DraftModelDrafter(Drafter):
     def _argmax(self, logits: torch.Tensor) -> int:
         """The greedy draft token of :meth:`_next_logits`' logits. With a cut vocabulary, the
         argmax of the kept logits, without spreading them over the whole vocabulary first (the
-        -inf fill and copies cost a draft step of Qwen2.5-Coder-0.5B 1-4 ms, right after the
-        kernels' call: docs/benchmarks/per-token-costs.md)."""
+        -inf fill and copies right after the kernels' call cost a draft step a noticeable part of
+        its time: docs/benchmarks/per-token-costs.md)."""
         if self.vocab is not None:
             return self.vocab.token(int(logits.argmax()))
         return int(self._align_vocab(logits).argmax())
@@ -390,8 +390,8 @@ class DraftModelDrafter(Drafter):
     def _argmax_prob(self, logits: torch.Tensor) -> tuple[int, float]:
         """:meth:`_argmax`'s token and its softmax probability over the logits the head scored.
         Computed in NumPy, on one thread: a torch reduction over the vocabulary right after the
-        kernels' call would wait for the core their pool's worker spins on (0.1 ms here, 1-2 ms
-        through torch, measured on a Qwen2.5-Coder-0.5B draft step)."""
+        kernels' call would wait for the core their pool's worker spins on, which costs several times the
+        NumPy computation (docs/benchmarks/per-token-costs.md)."""
         row = logits.detach().float().cpu().numpy()
         index = int(row.argmax())
         total = float(np.exp(row - row[index]).sum())  # >= 1: the argmax's own term

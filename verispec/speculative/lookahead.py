@@ -37,9 +37,9 @@ controller's cost model (:class:`WindowGate`): the window runs for ``probe`` rou
 while the draft tokens accepted from n-grams that came from the window alone, per round, are
 worth at least the extra positions it adds (in decode steps, the cost model's ``T(n + 1 + m) -
 T(n + 1)`` over ``T(1)``); otherwise it is off for ``rest`` rounds, then probed again. Without
-the adaptive controller (``"adaptive": false``) the window always runs, as configured. Measured
-on the AMX Xeon, the window never paid on code edits or coding questions
-(docs/benchmarks/suffix.md).
+the adaptive controller (``"adaptive": false``) the window always runs, as configured. In the
+measurements of docs/benchmarks/suffix.md, the window never paid on code edits or coding
+questions.
 
 Exactness: the draft of a round is fixed before the round's verification, from tokens that are
 already committed and from logits of earlier passes, so it is a deterministic draft (q one-hot)

@@ -104,9 +104,9 @@ inline void all_sums(const QActs& a, int64_t b0, int64_t m0, const uint8_t* w, i
 
 // The contract's fp32 steps for R rows from m (row r of the sums at c[j][r0 + r]), sub by sub:
 // R independent fma chains (one row at a time, each row's chain of 2 x NSUB dependent fma waits
-// on their latency). On the AMX Xeon, a 256-row Q4_K product of 4096x1536 on one thread, against
-// the avx512 path in the same process: 0.64-0.73 of its time with R = 8, 0.72-0.93 one row at a
-// time. Per output the steps and their order are the contract's, as on every path.
+// on their latency). On a 256-row Q4_K product, R = 8 took clearly less time than one row at a
+// time, measured against the avx512 path in the same process. Per output the steps and their
+// order are the contract's, as on every path.
 template <int SUB, int NSUB, bool FPOFF, int R>
 inline void fp32_rows(const int32_t (*c)[16][16], int r0, const Unpacked& u, const QActs& a, int64_t b0, int64_t m,
                       float* acc) {

@@ -4,12 +4,12 @@
 //
 // Why it exists: torch 2.13's float32 matmuls on CPU change a row's last bits with the shapes
 // around it. Padding the query rows to a fixed count (decoder.invariant_matmul) removes the
-// dependence on the row count, but not on S, the number of cache entries a pass attends over,
-// which grows with the pass's last position: on the AMX Xeon a SmolLM2 verify pass of 9 rows
-// whose keys ran to 528 differed from decode steps attending over 512 (2,000 tokens, 1,496 rows
-// from row 504 on). Here a row reduces over its own attended keys only, compacted in cache
-// order, so a decode step, a chain verify pass and a tree pass (whose rows attend to scattered
-// entries) give the same bits for the same keys.
+// dependence on the row count, but not on S, the number of cache entries a pass attends over, which
+// grows with the pass's last position: a verify pass whose keys run past a row's own differed from
+// the decode steps over the same keys on most rows of a long sequence (docs/kernels.md, Attention).
+// Here a row reduces over its own attended keys only, compacted in cache order, so a decode step, a
+// chain verify pass and a tree pass (whose rows attend to scattered entries) give the same bits for
+// the same keys.
 //
 // Per (batch, head, row), with the row's attended cache indices s_0 < s_1 < ... < s_{n-1}:
 //   score_i = dot(q, k[s_i]) * scale      dot: 16 lanes over d (d % 16), each lane a chain of
@@ -22,8 +22,8 @@
 // the compiler's vectorisation cannot change these sums. Fused steps rather than a multiply and
 // an add: half the instructions on the SIMD paths (docs/kernels.md). The AVX2 and AVX512
 // kernels (attention_simd.h) run the same IEEE operations on 16 lanes at once and give the same
-// bits; they are what a pass runs by default, since the scalar one cost a 9-row pass of the
-// 1.5B model 40 ms at 512 cached tokens (docs/kernels.md).
+// bits; they are what a pass runs by default, since with the scalar one attention took a large
+// share of a verify pass once a few hundred tokens are cached (docs/kernels.md, Attention).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -96,8 +96,8 @@ void attend_rows_scalar(const RowAttn* rows, int npos) {
 // q [B, H, T, D] float32, k and v [B, Hkv, S, D] (D contiguous) float32 or both float16 (a
 // float16 cache: each element read as its exact float, then the same steps), mask [B, T, S]
 // bool (True = attend): out [B, H, T, D], or [B, T, H, D] when by_position (the rows the output
-// projection reads, so the layer need not transpose them: torch's copy of that size took 0.6 ms
-// a call inside the layer, docs/kernels.md). H is a multiple
+// projection reads, so the layer need not transpose them: torch's copy of that size was slow
+// inside the layer, docs/kernels.md, A layer in one call). H is a multiple
 // of Hkv (grouped-query heads share KV heads). isa: the row kernel's path (-1: the default one,
 // see attend_rows_for). The layout changes where a row is written, not how it is computed.
 // With slots (one per batch row), k and v are a cache [slots, Hkv, S, D] and row b reads slot

@@ -49,8 +49,8 @@ static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* 
 // acc + the dot products of w's unsigned bytes with the 4 signed activation bytes at p, repeated
 // in every lane. One instruction with the broadcast folded into its memory operand ({1to16}),
 // which GCC does not emit for the intrinsics: a separate vpbroadcastd competes for the vector
-// ports that the dot products and the fp32 steps need (9 rows of a Q4_K superblock, weights in
-// cache: 197 -> 183 ns; 4 rows: 103 -> 86 ns).
+// ports that the dot products and the fp32 steps need (docs/kernels.md, Bounds: fewer
+// instructions per row made 4- to 16-row calls measurably faster).
 static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
   __asm__("vpdpbusd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*(const int32_t*)p), "v"(w));
   return acc;

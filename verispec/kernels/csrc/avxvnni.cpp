@@ -1,7 +1,7 @@
-// AVX-VNNI path (AVX2 machines with the 256-bit vpdpbusd, e.g. Intel from Alder Lake, AMD from
-// Zen 5): the 256-bit kernel body of ymm_kernel.h with one vpdpbusd per row and group where AVX2
-// needs maddubs, madd and add. The same int32 sums (see ymm_kernel.h), so the same bits as every
-// other path. A layer's input steps stay the AVX2 ones (avx2.cpp).
+// AVX-VNNI path (CPUs with AVX2 and the 256-bit vpdpbusd, the avx_vnni flag, whether or not they
+// have AVX512): the 256-bit kernel body of ymm_kernel.h with one vpdpbusd per row and group where
+// AVX2 needs maddubs, madd and add. The same int32 sums (see ymm_kernel.h), so the same bits as
+// every other path. A layer's input steps stay the AVX2 ones (avx2.cpp).
 #pragma GCC target("avx2,fma,f16c,avxvnni")
 #include <immintrin.h>
 

@@ -4,8 +4,8 @@
 // MLP with their residuals), with the same kernel calls on the same inputs in the same order, so
 // the same bits. It exists for speed: the Python around those calls (module calls, argument
 // handling, the cache's slice assignments and views) cost about as much as the attention and
-// RoPE kernels themselves, 150-350 us per layer on the 2-vCPU machines, 5-10 ms of a 1.5B decode
-// step (docs/kernels.md).
+// RoPE kernels themselves, a noticeable part of a decode step (docs/kernels.md, A layer in one
+// call).
 //
 // The layer holds its weights' tensors (the packed parts, biases and norm weights) for its
 // lifetime; the decoder makes one per layer and drops it when a layer's modules change.

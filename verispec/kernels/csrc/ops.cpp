@@ -55,11 +55,11 @@ bool isa_supported(int isa) {
   }
 }
 
-// The default path for m rows. AMX's tile dot products cost a fixed ~170 ns per superblock
-// (eight tile stores of 1 KB for Q4_K) and per 16-row tile, whatever the rows in it; on a Xeon
-// with AMX, 1.5B passes of 16 and 32 rows took the same time on both paths, of 17 to 20 rows
-// 25-30% less on the AVX512 one (AMX's second tile mostly empty), and from 36 rows less on AMX
-// (docs/kernels.md): AMX starts where its tiles are full.
+// The default path for m rows. AMX's tile dot products have a fixed cost per superblock (eight
+// tile stores of 1 KB for Q4_K) and per 16-row tile, whatever the rows in it, while the AVX512
+// path pays per row: passes of 16 and 32 rows took the same time on both paths, of 17 to 20 rows
+// clearly less on the AVX512 one (AMX's second tile mostly empty), and from 36 rows less on AMX
+// (docs/kernels.md, Dispatch per ISA): AMX starts where its tiles are full.
 constexpr int64_t kAmxMinRows = 32;
 
 // The paths by speed, and the fastest one a call may take by default (set_max_isa; -1: any).
@@ -173,10 +173,10 @@ torch::Tensor dequantize(int64_t fmt, torch::Tensor packed, int64_t n, int64_t k
 // x: float32 or bfloat16 [M, K] -> the QActs arrays, block-major over mp rows (M rounded up to a
 // multiple of 16; the extra rows of q are zero): q int8 [K / 32][mp][32], dx float32
 // [K / 32][mp], bs int16 [K / 16][mp], dxb float32 [K / 32][mp]. Each block of each row is made
-// and quantized from its own inputs (qgemm.h), so the blocks are spread over the threads: with
-// the gated input of a down projection, 9 rows took 0.55 ms on one thread before, about as long
-// as the matmul itself. The storage is the calling thread's, reused from call to call (a decode
-// step makes over a hundred calls; allocating and zeroing fresh tensors cost about 1.5 ms of it).
+// and quantized from its own inputs (qgemm.h), so the blocks are spread over the threads: made
+// on one thread, the gated input of a down projection took about as long as the matmul itself.
+// The storage is the calling thread's, reused from call to call (a decode step makes over a
+// hundred calls, and allocating and zeroing fresh tensors for each was a visible part of it).
 struct ActBuffers {
   std::vector<int8_t> q;
   std::vector<float> dx, dxb, in, inv;
@@ -351,10 +351,10 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
         const int count = (int)std::min<int64_t>(group, nsb - s);
         // The weights stream from memory once; the hardware prefetcher alone leaves the core
         // waiting at the start of each superblock, so the superblock two ahead (in memory order,
-        // across tiles) is asked into L2, a few lines per sub while this one computes. On the
-        // AMX Xeon, against no software prefetch: a 1.5B decode step 70 -> 55.5 ms, a 9-row
-        // pass 114 -> 85 ms; the same lines asked in one burst per superblock (one ahead) gave
-        // 60 and 98 ms, and one ahead spread 57 and 88 ms.
+        // across tiles) is asked into L2, a few lines per sub while this one computes. Against
+        // no software prefetch, one superblock ahead in one burst, and one ahead spread, two
+        // ahead spread gave the fastest decode steps and verify passes (docs/kernels.md,
+        // Prefetch).
         const uint8_t* next = tile + (s + kPrefetchAhead * group) * tb;
         const int lines = (int)((count * tb + 63) / 64), subs = count * part.f.nsub();
         tl_prefetch = {(const char*)next, (const char*)next + lines * 64, (lines + subs - 1) / subs};

@@ -21,7 +21,7 @@
 namespace verispec {
 namespace {
 
-constexpr int kWorkerSpins = 20000;  // pause loops (~100 ns each) before a worker sleeps
+constexpr int kWorkerSpins = 20000;  // pause loops before a worker sleeps (well under a time slice)
 constexpr int kCallerSpins = 2000;   // before the caller starts yielding its core
 
 struct Job {

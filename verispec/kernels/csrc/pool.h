@@ -2,8 +2,8 @@
 //
 // Why not at::parallel_for (OpenMP): its parallel region ends in a barrier that waits for every
 // thread of the team. When another process holds a core, a team thread waits for the scheduler
-// (a time slice, milliseconds) before it even starts, and every call pays that: on the 2-vCPU
-// Xeon, with a second 2-thread process running, a small matmul took 5.5 ms instead of 5 us.
+// (a time slice) before it even starts, and every call pays that: with a second process busy on
+// the same cores, a small matmul became about a thousand times slower (docs/kernels.md, Threads).
 // Here work is cut into chunks that threads take from a shared counter. The caller works too
 // and returns as soon as every chunk is done; a worker that wakes late finds nothing left and
 // nobody waits for it. Chunks only ever split independent outputs (tiles of columns, activation

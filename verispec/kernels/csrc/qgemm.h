@@ -161,7 +161,7 @@ static inline void with_format(int fmt, F&& f) {
 // outstanding-miss slots while the burst drains. A kernel looks the thread's queue up once per
 // call and passes it down: in a shared library each access to a thread_local is a call to
 // __tls_get_addr (with a vzeroupper before it), which once per sub cost the AVX2 loop about a
-// fifth of its time at one row (a Q4_K superblock 184 -> 149 ns, weights in cache, Zen 3).
+// fifth of its time at one row.
 struct PrefetchQueue { const char* p = nullptr; const char* end = nullptr; int per_step = 0; };
 inline thread_local PrefetchQueue tl_prefetch;
 // The calling thread's queue, as a pointer the compiler cannot trace back to the thread_local

@@ -270,14 +270,13 @@ static void row_blocks(int fmt, const FormatInfo& f, const uint8_t* tile, int co
   }
 }
 
-// A K-quant superblock's scales are unpacked once for all the row blocks (weights in cache, Zen 3:
-// a Q4_K superblock at 9 rows 488-508 -> 474-486 ns, at 16 rows 802-840 -> 750-806 ns); the
-// 32-wide formats' are a few loads, made inside the block. With more than 12 rows (a long
-// prompt's prefill, a wide batch) the weights are also made once, into L1, for all the blocks:
-// their stores cost about what two blocks' unpacking saves, so fewer rows keep the unpacking in
-// the block (Zen 3, one thread, weights in cache, alternated in one process: 9 rows of Q4_K 11%
-// slower made once; 16 to 64 rows of Q4_K 3-11% faster, of Q6_K 7-17%, of Q5_0 6-8%). Q8_0's
-// weights take one instruction to make and keep their own path.
+// A K-quant superblock's scales are unpacked once for all the row blocks (a few per cent faster
+// at 9 and 16 rows); the 32-wide formats' are a few loads, made inside the block. With more than
+// 12 rows (a long prompt's prefill, a wide batch) the weights are also made once, into L1, for
+// all the blocks: their stores cost about what two blocks' unpacking saves, so fewer rows keep
+// the unpacking in the block (made once, 9 rows of Q4_K were slower; 16 to 64 rows of Q4_K, Q6_K
+// and Q5_0 faster: docs/kernels.md, Dispatch per ISA). Q8_0's weights take one instruction to
+// make and keep their own path.
 template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF>
 static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, const QActs& a, int64_t s, float* acc) {
   PrefetchQueue& pq = thread_prefetch_queue();
