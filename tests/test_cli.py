@@ -30,8 +30,28 @@ def test_kv_cache_dtype_is_checked_before_loading(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "no-such-model-anywhere", "hello", "--kv-cache-dtype", "int8"])
     assert "invalid choice: 'int8'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "no-such-model-anywhere", "--kv-cache-dtype", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
+    # With replicas the setting is taken (tests/server/test_ray_routing.py follows it into each
+    # replica's engine); this model does not exist, so serving stops at the model lookup.
     assert main(["serve", "no-such-model-anywhere", "--replicas", "2", "--kv-cache-dtype", "float32"]) == 2
-    assert "--kv-cache-dtype is not passed to replicas yet" in capsys.readouterr().err
+    assert "not a bundled model name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--max-num-seqs", "0"], "invalid serve settings: --max-num-seqs: Input should be greater than or equal"),
+        (["--threads", "0"], "--threads: Input should be greater than or equal to 1"),
+        (["--port", "70000"], "--port: Input should be less than or equal to 65535"),
+        (["--request-timeout", "-1"], "--request-timeout must be >= 0 (0: no limit)"),
+        (["--speculative-method", "nope"], "--speculative-config: unknown speculative method 'nope'"),
+    ],
+)
+def test_serve_bad_input_exits_with_clear_message_naming_the_flag(capsys, extra, message):
+    assert main(["serve", "no-such-model-anywhere", *extra]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_empty_prompt_is_rejected(capsys):

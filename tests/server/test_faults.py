@@ -366,6 +366,7 @@ def test_serve_with_exit_on_fatal_stops_and_exits_with_status_1_when_the_engine_
     from verispec.engine import engine as engine_module
     from verispec.models import loader
     from verispec.server import serve as serve_module
+    from verispec.server.config import ServerConfig
 
     target, _ = tiny_target_and_draft()
     built = []
@@ -380,6 +381,7 @@ def test_serve_with_exit_on_fatal_stops_and_exits_with_status_1_when_the_engine_
 
     monkeypatch.setattr(loader, "load_model", lambda *args, **kwargs: target)
     monkeypatch.setattr(engine_module, "Engine", DyingEngine)
+    monkeypatch.delenv("VERISPEC_API_KEY", raising=False)  # a server without a key
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -387,9 +389,8 @@ def test_serve_with_exit_on_fatal_stops_and_exits_with_status_1_when_the_engine_
 
     def run():
         try:
-            serve_module.serve("tiny", None, host="127.0.0.1", port=port, api_key=None, served_model_name="tiny",
-                               max_num_seqs=2, max_model_len=64, max_queue=4, device="cpu", dtype="auto",
-                               exit_on_fatal=True)
+            serve_module.serve(ServerConfig(model="tiny", port=port, max_num_seqs=2, max_model_len=64, max_queue=4,
+                                            exit_on_fatal=True))
             outcome.append("returned")
         except SystemExit as e:
             outcome.append(e.code)

@@ -1,21 +1,27 @@
 """The Ray Serve deployment's parts that need no cluster: affinity keys, the router's ranking,
-merged metrics, the settings, the health probe and the CLI's checks."""
+merged metrics, the settings, the health probe, the CLI's checks and the replicas it builds."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from liveserver import CHARS, SPECIALS, char_tokenizer
 from verispec.cli import main
+from verispec.server import ray_serve
 from verispec.server.metrics import ServerMetrics
 from verispec.server.ray_serve import (AffinityRouter, EngineReplica, Forwarded, ScaleOutConfig, affinity_key,
                                        app_builder, merge_metrics, rendezvous_order)
@@ -99,6 +105,12 @@ def test_the_settings_are_checked_before_any_replica_starts():
         ScaleOutConfig(model="m", speculative_config={"method": "nope"})
     with pytest.raises(ValidationError, match="max_replicas must be >= min_replicas"):
         ScaleOutConfig(model="m", min_replicas=3, max_replicas=2)
+    with pytest.raises(ValidationError, match="Input should be 'auto', 'float32' or 'float16'"):
+        ScaleOutConfig(model="m", kv_cache_dtype="int8")
+    with pytest.raises(ValidationError, match="exit_on_fatal is for a single server"):
+        ScaleOutConfig(model="m", exit_on_fatal=True)
+    with pytest.raises(ValueError, match="port: a Serve config file sets the address under http_options"):
+        app_builder({"model": "m", "port": 8001})
     assert ScaleOutConfig(model="m", num_replicas=2).autoscaling() is None
     assert ScaleOutConfig(model="m", max_replicas=4, target_ongoing_requests=2,
                           autoscaling_options={"upscale_delay_s": 5}).autoscaling() == {
@@ -146,3 +158,51 @@ def test_serve_with_replicas_says_what_to_install_without_ray(monkeypatch, capsy
     monkeypatch.setitem(sys.modules, "verispec.server.ray_serve", None)  # import fails as without Ray
     assert main(["serve", "m", "--replicas", "2"]) == 2
     assert "pip install 'verispec[ray]'" in capsys.readouterr().err
+
+
+def save_tiny_model(directory: Path) -> None:
+    """A random one-layer Qwen2 model with the live server's character tokenizer, saved as a
+    Hugging Face directory for ``verispec serve`` to load."""
+    config = Qwen2Config(vocab_size=len(SPECIALS) + len(CHARS), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=128)
+    Qwen2ForCausalLM(config).save_pretrained(str(directory))
+    char_tokenizer().hf.save_pretrained(str(directory))
+
+
+def test_serve_with_replicas_gives_every_replica_the_kv_cache_dtype(tmp_path, monkeypatch):
+    """`verispec serve MODEL --replicas 2 --kv-cache-dtype float32` starts both replicas, and each
+    replica's engine keeps its KV cache in float32 (the model's own dtype, bfloat16, is what auto
+    would keep). Ray is left out: `run` builds every replica as Serve does, from the one config
+    it is given, and no metrics directory answers; test_ray_serve.py runs a real cluster."""
+    save_tiny_model(tmp_path / "tiny")
+    replicas: list[EngineReplica] = []
+
+    def run(config: ScaleOutConfig, ray_address: str | None = None) -> None:
+        replicas.extend(EngineReplica(config) for _ in range(config.num_replicas))
+
+    def no_actor(*args, **kwargs):
+        raise ValueError("no cluster")  # what ray.get_actor raises for an actor that does not exist
+
+    ids = itertools.count()
+    monkeypatch.setattr(ray_serve, "run", run)
+    monkeypatch.setattr(ray_serve.serve, "get_replica_context", lambda: SimpleNamespace(
+        replica_id=ReplicaID(f"replica-{next(ids)}"), app_name="verispec"))
+    monkeypatch.setattr(ray_serve, "ray", SimpleNamespace(
+        get_runtime_context=lambda: SimpleNamespace(get_actor_name=lambda: None), get_actor=no_actor))
+    try:
+        assert main(["serve", str(tmp_path / "tiny"), "--replicas", "2", "--kv-cache-dtype", "float32",
+                     "--max-model-len", "64", "--threads", "1"]) == 0
+        assert len(replicas) == 2
+        for replica in replicas:
+            engine = replica.runner.engine
+            assert replica.runner.alive
+            assert engine.target.model.dtype == torch.bfloat16
+            assert engine.target.model.kv_cache_dtype == torch.float32
+            assert {k.dtype for k in engine.cache.k} == {torch.float32}
+    finally:
+        for replica in replicas:
+            replica.__del__()  # as Serve does when a replica stops
+        for thread in threading.enumerate():  # the metrics reports end before the stubs go
+            if thread.name == "verispec-metrics":
+                thread.join(timeout=10)

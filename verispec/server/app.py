@@ -21,9 +21,9 @@ prompt too long for the context.
 
 While a server runs, the heap the process had when serving began (torch, transformers, the
 models: hundreds of thousands of objects) is frozen (``gc.freeze``, as vLLM's server does), so
-the collector's full passes walk only what serving allocates. Unfrozen, one full pass over a
-test process's heap took 0.3 s on a Zen 4 EPYC and stopped the event loop and the engine thread
-for as long, whatever ran in worker threads. Several servers in one process share the freeze:
+the collector's full passes walk only what serving allocates. Unfrozen, a full pass walks that
+whole heap while holding the GIL, which stalls the event loop and the engine thread for as long,
+whatever runs in worker threads. Several servers in one process share the freeze:
 the first to start freezes, the last to stop unfreezes.
 
 A client that disconnects cancels its request: a stream notices when its generator is
@@ -55,7 +55,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from verispec.config import MAX_REQUEST_BYTES, SamplingParams
 from verispec.engine.engine import Engine
-from verispec.engine.sequence import Sequence
+from verispec.sequence import Sequence
 from verispec.server import protocol
 from verispec.server.metrics import ServerMetrics
 from verispec.server.protocol import ChatCompletionRequest, CompletionRequest, error_body

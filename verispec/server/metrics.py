@@ -1,6 +1,6 @@
 """Prometheus metrics for ``/metrics``, named like vLLM's under a ``verispec:`` prefix.
 
-Speculative counters are exported from each request's :class:`~verispec.speculative.metrics.SpecMetrics`
+Speculative counters are exported from each request's :class:`~verispec.metrics.SpecMetrics`
 (the one owner of those figures) as deltas after every engine step, so they move while requests
 run. Counters carry Prometheus' ``_total`` suffix on the wire, as vLLM's do
 (``verispec:spec_decode_num_drafts_total``). Each server has its own registry, so several
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from verispec.speculative.metrics import SpecMetrics
+from verispec.metrics import SpecMetrics
 
 PREFIX = "verispec:"
 # (num_drafts, num_draft_tokens, num_accepted_tokens, accepted_at) already exported

@@ -22,7 +22,7 @@ verispec extras:
   ``{"num_speculative_tokens": k}`` caps its drafts per round (at most the server's k).
 * response ``speculative_stats`` (and in the final stream chunk): drafted and accepted tokens,
   acceptance rate and mean acceptance length (bonus token included, as in
-  :mod:`verispec.speculative.metrics`).
+  :mod:`verispec.metrics`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
 
 from verispec.config import SEED_MAX, SEED_MIN, TOP_K_MAX
-from verispec.speculative.metrics import SpecMetrics
+from verispec.metrics import SpecMetrics
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000

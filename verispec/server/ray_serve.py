@@ -5,10 +5,11 @@ The application has two deployments::
     HTTP -> Serve proxy -> VerispecIngress --(handle, affinity router)--> VerispecEngine x N
 
 * ``VerispecEngine`` replicas each own one :class:`~verispec.engine.engine.Engine` (model,
-  drafter, continuous batching) and the same FastAPI app as ``verispec serve``
-  (:func:`verispec.server.app.build_app`), so routes, errors, ``speculative`` extras and
-  ``speculative_stats`` are the single server's, byte for byte. The app is driven in-process
-  (:meth:`EngineReplica.forward` plays the ASGI server): no port per replica.
+  drafter, continuous batching) and the same FastAPI app as ``verispec serve``, built from the
+  same settings (:func:`verispec.server.serve.build_server_app`), so routes, errors,
+  ``speculative`` extras and ``speculative_stats`` are the single server's, byte for byte. The
+  app is driven in-process (:meth:`EngineReplica.forward` plays the ASGI server): no port per
+  replica.
 * ``VerispecIngress`` checks the API key and the body size, reads just enough of the JSON body to
   pick an affinity key, forwards the raw request through a deployment handle and streams the
   replica's response back. ``/metrics`` merges every replica's ``verispec:`` metrics (each sample
@@ -34,8 +35,9 @@ Failure handling:
   ``graceful_shutdown_timeout_s`` for its requests, then the replica's engine gets its own grace
   period and aborts what is left with an explicit error event.
 
-The settings are one pydantic model, :class:`ScaleOutConfig`, used by ``verispec serve
---replicas`` and by Serve config files (``import_path: verispec.server.ray_serve:app_builder``).
+The settings are one pydantic model, :class:`ScaleOutConfig`: the single server's
+:class:`~verispec.server.config.ServerConfig` plus the replicas' own fields, used by ``verispec
+serve --replicas`` and by Serve config files (``import_path: verispec.server.ray_serve:app_builder``).
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 import random
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -58,12 +60,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from verispec.config import MAX_REQUEST_BYTES, SpeculativeConfig
+from verispec.server.config import ServerConfig
 from verispec.server.metrics import PREFIX
 from verispec.server.protocol import error_body
 
@@ -76,26 +78,13 @@ _SSE = "text/event-stream"
 SERVE_NAMESPACE = "serve"  # where Serve runs its actors; the metrics directory lives there too
 
 
-class ScaleOutConfig(BaseModel):
-    """Everything a scaled-out deployment needs: the engine's settings (as ``verispec serve``)
-    and the replicas' placement. ``num_replicas`` fixes the count; ``max_replicas`` above
-    ``min_replicas`` turns on Serve's autoscaling on ongoing requests per replica."""
+class ScaleOutConfig(ServerConfig):
+    """A :class:`~verispec.server.config.ServerConfig` run as replicas: every server setting (each
+    replica's engine and app; the ingress's key and body limit) plus the replicas' placement,
+    scaling and routing. ``num_replicas`` fixes the count; ``max_replicas`` above ``min_replicas``
+    turns on Serve's autoscaling on ongoing requests per replica. ``host`` and ``port`` are the
+    Serve proxy's address for :func:`run`; a Serve config file sets that under ``http_options``."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    speculative_config: dict[str, Any] | None = None
-    served_model_name: str | None = None
-    max_num_seqs: int = Field(8, ge=1)
-    max_model_len: int = Field(4096, ge=1)
-    max_queue: int = Field(64, ge=1)
-    device: str = "cpu"
-    dtype: str = "auto"
-    threads: int | None = Field(None, ge=1, description="torch threads per replica (default: num_cpus)")
-    request_timeout_s: float | None = Field(600.0, gt=0)
-    max_request_bytes: int = Field(MAX_REQUEST_BYTES, ge=1)
-    enable_prefix_caching: bool | None = Field(None, description="default: on where exact and free (see Engine)")
-    api_key: str | None = Field(None, description="default: $VERISPEC_API_KEY on the ingress")
     # placement and scaling
     num_replicas: int = Field(1, ge=1)
     min_replicas: int | None = Field(None, ge=0)
@@ -114,25 +103,12 @@ class ScaleOutConfig(BaseModel):
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
 
     @model_validator(mode="after")
-    def _check(self) -> ScaleOutConfig:
+    def _check_scale_out(self) -> ScaleOutConfig:
+        if self.exit_on_fatal:
+            raise ValueError("exit_on_fatal is for a single server: Serve replaces a replica whose engine died")
         if self.max_replicas is not None and self.max_replicas < (self.min_replicas or 1):
             raise ValueError("max_replicas must be >= min_replicas")
-        if self.speculative_config is not None:
-            self.spec()  # a bad speculative config fails here, before any replica starts
         return self
-
-    @property
-    def name(self) -> str:
-        return self.served_model_name or self.model
-
-    def spec(self) -> SpeculativeConfig | None:
-        if not self.speculative_config:
-            return None
-        from verispec.speculative.base import check_method
-
-        spec = SpeculativeConfig.from_dict(dict(self.speculative_config))
-        check_method(spec.method)
-        return spec
 
     def autoscaling(self) -> dict | None:
         if self.max_replicas is None:
@@ -283,20 +259,13 @@ class EngineReplica:
     """One engine and its app in a Serve replica (module doc)."""
 
     def __init__(self, config: ScaleOutConfig) -> None:
-        from verispec.engine.engine import Engine
-        from verispec.models.loader import load_model
-        from verispec.runtime import set_threads
-        from verispec.server.app import build_app
+        from verispec.runtime import set_threads  # torch: imported by replicas only, not by the ingress
+        from verispec.server.serve import build_server_app
 
         self.runner = None  # until the engine runs (Serve calls the destructor even if __init__ fails)
         self._stopping = threading.Event()
         set_threads(config.threads or max(1, int(config.num_cpus)))
-        target = load_model(config.model, device=config.device, dtype=config.dtype, progress=False)
-        engine = Engine(target, config.spec(), max_model_len=config.max_model_len,
-                        max_num_seqs=config.max_num_seqs, prefix_caching=config.enable_prefix_caching)
-        self.app = build_app(engine, config.name, max_queue=config.max_queue,
-                             max_request_bytes=config.max_request_bytes,
-                             request_timeout_s=config.request_timeout_s)
+        self.app = build_server_app(config, api_key=None, progress=False)  # the ingress checks the key
         self.runner = self.app.state.runner
         self.runner.start()
         context = serve.get_replica_context()
@@ -386,7 +355,7 @@ class Ingress:
     def __init__(self, engine: Any, config: ScaleOutConfig) -> None:
         self.engine = engine.options(stream=True, method_name="forward")
         self.config = config
-        self.api_key = config.api_key or os.environ.get("VERISPEC_API_KEY") or None
+        self.api_key = config.resolved_api_key()
         self.directory = MetricsDirectory.options(
             name=_directory_name(serve.get_replica_context().app_name), namespace=SERVE_NAMESPACE,
             get_if_exists=True).remote()
@@ -522,19 +491,21 @@ def build_application(config: ScaleOutConfig) -> serve.Application:
 def app_builder(args: dict[str, Any]) -> serve.Application:
     """Serve's application builder: ``import_path: verispec.server.ray_serve:app_builder`` with
     the :class:`ScaleOutConfig` fields under ``args`` in a Serve config file."""
+    placed = sorted({"host", "port"} & set(args))
+    if placed:
+        raise ValueError(f"{' and '.join(placed)}: a Serve config file sets the address under http_options, "
+                         "not in the application's args")
     return build_application(ScaleOutConfig.model_validate(args))
 
 
-def run(config: ScaleOutConfig, *, host: str, port: int, ray_address: str | None = None) -> None:
-    """``verispec serve --replicas``: join or start Ray, start Serve's proxy on ``host:port``,
-    run the application until Ctrl-C or SIGTERM, then shut it down gracefully."""
-    import signal
-
+def run(config: ScaleOutConfig, *, ray_address: str | None = None) -> None:
+    """``verispec serve --replicas``: join or start Ray, start Serve's proxy on ``config.host`` and
+    ``config.port``, run the application until Ctrl-C or SIGTERM, then shut it down gracefully."""
     if ray_address is None:
         ray.init(include_dashboard=False)  # a local Ray instance on this machine's CPUs
     else:
         ray.init(address=ray_address)
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options={"host": config.host, "port": config.port})
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

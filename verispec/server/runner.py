@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 from verispec.config import SamplingParams
 from verispec.engine.engine import Engine
-from verispec.engine.sequence import Sequence
+from verispec.sequence import Sequence
 from verispec.server.metrics import EMPTY_SNAPSHOT, ServerMetrics, SpecSnapshot
 
 log = logging.getLogger(__name__)

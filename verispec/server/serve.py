@@ -1,4 +1,7 @@
-"""``verispec serve``: load the target (and drafter), build the app and run uvicorn.
+"""``verispec serve``: run the server a :class:`~verispec.server.config.ServerConfig` describes.
+
+:func:`build_server_app` loads the target (and drafter) and builds the engine and the app; each
+Ray Serve replica builds its app with it too. :func:`serve` runs that app on uvicorn.
 
 Shutdown (Ctrl-C or SIGTERM) is graceful in two stages. As soon as uvicorn starts shutting
 down, :class:`GracefulServer` tells the engine thread to refuse new work and to give running
@@ -18,10 +21,13 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import uvicorn
+from fastapi import FastAPI
 
-from verispec.config import MAX_REQUEST_BYTES, SpeculativeConfig
+from verispec.runtime import set_threads
+from verispec.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -68,35 +74,45 @@ class BackgroundServer:
         self.sock.close()
 
 
-def serve(model: str, spec: SpeculativeConfig | None, *, host: str, port: int, api_key: str | None,
-          served_model_name: str | None, max_num_seqs: int, max_model_len: int, max_queue: int,
-          device: str, dtype: str, request_timeout_s: float | None = 600.0, exit_on_fatal: bool = False,
-          max_request_bytes: int = MAX_REQUEST_BYTES, prefix_caching: bool | None = None,
-          kv_cache_dtype: str = "auto") -> None:
-    """Run the server until it is stopped. With ``exit_on_fatal``, a dead engine thread stops
-    the server (gracefully, as SIGTERM would) and the process exits with status 1."""
+def serve(config: ServerConfig) -> None:
+    """Run the server ``config`` describes until it is stopped. With ``exit_on_fatal``, a dead
+    engine thread stops the server (gracefully, as SIGTERM would) and the process exits with
+    status 1."""
+    api_key = config.resolved_api_key()
+    warn_if_exposed(config.host, api_key)
+    if config.threads is not None:
+        set_threads(config.threads)
+    server: GracefulServer | None = None
+
+    def on_fatal() -> None:
+        if config.exit_on_fatal and server is not None:
+            server.should_exit = True
+
+    app = build_server_app(config, api_key=api_key, on_fatal=on_fatal)
+    server = GracefulServer(uvicorn.Config(app, host=config.host, port=config.port,
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    server.run()
+    if config.exit_on_fatal and app.state.runner.fatal is not None:
+        raise SystemExit(1)
+
+
+def build_server_app(config: ServerConfig, *, api_key: str | None, progress: bool = True,
+                     on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """Load ``config``'s model (and drafter), build its engine and the app that serves it (the
+    engine thread starts with the app). The app requires ``api_key`` (None: no key), whatever
+    ``config.api_key`` says: a Ray Serve replica leaves the key to its ingress."""
     from verispec.engine.engine import Engine
     from verispec.models.loader import load_model
     from verispec.server.app import build_app
 
-    warn_if_exposed(host, api_key)
-    target = load_model(model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
-    engine = Engine(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                    prefix_caching=prefix_caching)
-    server: GracefulServer | None = None
-
-    def on_fatal() -> None:
-        if exit_on_fatal and server is not None:
-            server.should_exit = True
-
-    app = build_app(engine, served_model_name or model, api_key=api_key, max_queue=max_queue,
-                    max_request_bytes=max_request_bytes,
-                    request_timeout_s=request_timeout_s, on_fatal=on_fatal)
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = GracefulServer(config)
-    server.run()
-    if exit_on_fatal and app.state.runner.fatal is not None:
-        raise SystemExit(1)
+    target = load_model(config.model, device=config.device, dtype=config.dtype, progress=progress,
+                        quantization=config.quantization, group_size=config.quantization_group_size,
+                        kv_cache_dtype=config.kv_cache_dtype)
+    engine = Engine(target, config.spec(), max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                    prefix_caching=config.enable_prefix_caching)
+    return build_app(engine, config.name, api_key=api_key, max_queue=config.max_queue,
+                     max_request_bytes=config.max_request_bytes, request_timeout_s=config.request_timeout_s,
+                     on_fatal=on_fatal)
 
 
 def is_loopback(host: str) -> bool:
