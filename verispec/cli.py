@@ -16,7 +16,6 @@ MODEL is a bundled name (``verispec models list``), a local Hugging Face directo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -107,7 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from verispec.models.compile import compile_decoder
     from verispec.models.loader import load_model
     from verispec.runtime import set_threads
-    from verispec.speculative.base import check_method
+    from verispec.speculative.registry import check_method
 
     # Validate everything cheap before loading gigabytes.
     params = SamplingParams(
@@ -205,7 +204,7 @@ def _plan_acceptance(args: argparse.Namespace) -> list[float]:
 def cmd_plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from verispec.speculative.plan import format_plan, make_plan, measure, plot_plan
+    from verispec.plan import format_plan, make_plan, measure, plot_plan
 
     acceptance = _plan_acceptance(args)
     if args.batch_size < 1:
@@ -284,6 +283,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "process (default: stay up, answer 503 and report it on /health)")
     s.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     s.add_argument("--dtype", default="auto", help="auto, bfloat16, float32 or float16 (default auto)")
+    s.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
+                   help="the target's linear layers, as for generate (default auto: a GGUF file's own "
+                   "quantized weights on the native CPU kernels, anything else dense)")
+    s.add_argument("--quantization-group-size", type=int, default=32, choices=(32, 64, 128),
+                   help="int4 group size (default 32)")
     s.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "float16"),
                    help="the KV cache's dtype: auto (default) is float16 for a model on the native CPU "
                    "kernels with float32 activations, else the model's dtype")
@@ -323,48 +327,60 @@ def api_key_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.
     return key
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import torch
+# The serve flags not named after their ServerConfig / ScaleOutConfig field.
+_SERVE_FLAGS = {"model": "MODEL", "request_timeout_s": "--request-timeout", "num_replicas": "--replicas",
+                "num_cpus": "--replica-cpus", "num_gpus": "--replica-gpus"}
 
-    from verispec.server.serve import serve
-    from verispec.speculative.base import check_method
 
-    spec = speculative_config_from_args(args)
-    if spec is not None:
-        check_method(spec.method)
-    for name in ("max_num_seqs", "max_model_len", "max_queue", "max_request_bytes"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+def server_settings_from_args(args: argparse.Namespace) -> dict:
+    """The :class:`~verispec.server.config.ServerConfig` fields that ``verispec serve``'s flags set,
+    one field a flag (the API key as :func:`api_key_from_args` finds it)."""
     if args.request_timeout < 0:
         raise ValueError("--request-timeout must be >= 0 (0: no limit)")
-    api_key = api_key_from_args(args)
+    return dict(
+        model=args.model, speculative_config=speculative_config_from_args(args), device=args.device,
+        dtype=args.dtype, quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+        kv_cache_dtype=args.kv_cache_dtype, threads=args.threads, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+        served_model_name=args.served_model_name, api_key=api_key_from_args(args), max_queue=args.max_queue,
+        max_request_bytes=args.max_request_bytes, request_timeout_s=args.request_timeout or None,
+        exit_on_fatal=args.exit_on_fatal, host=args.host, port=args.port)
+
+
+def _serve_config(cls: type, settings: dict):
+    """``cls(**settings)``; a bad setting is a ValueError that names its flag."""
+    from pydantic import ValidationError
+
+    from verispec.server.config import describe
+
+    try:
+        return cls(**settings)
+    except ValidationError as e:
+        flags = {name: _SERVE_FLAGS.get(name, "--" + name.replace("_", "-")) for name in cls.model_fields}
+        raise ValueError(f"invalid serve settings: {describe(e, flags)}") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from verispec.server.config import ServerConfig
+    from verispec.server.serve import serve
+
+    settings = server_settings_from_args(args)
     if args.replicas is not None or args.max_replicas is not None or args.ray_address is not None:
-        return _serve_replicated(args, spec, api_key)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    serve(args.model, spec, host=args.host, port=args.port, api_key=api_key,
-          max_request_bytes=args.max_request_bytes,
-          served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
-          max_model_len=args.max_model_len, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
-          request_timeout_s=args.request_timeout or None, exit_on_fatal=args.exit_on_fatal,
-          prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
+        return _serve_replicated(args, settings)
+    serve(_serve_config(ServerConfig, settings))
     return 0
 
 
-def _serve_replicated(args: argparse.Namespace, spec: SpeculativeConfig | None, api_key: str | None) -> int:
+def _serve_replicated(args: argparse.Namespace, settings: dict) -> int:
     """``verispec serve --replicas``: the same server as N replicas on Ray Serve."""
     if args.exit_on_fatal:
         raise ValueError("--exit-on-fatal is for a single server: with --replicas, Serve replaces a "
                          "replica whose engine died")
-    if args.kv_cache_dtype != "auto":
-        raise ValueError("--kv-cache-dtype is not passed to replicas yet: leave it at auto with --replicas")
     try:
         from verispec.server import ray_serve
     except ImportError as e:
         raise ValueError(f"--replicas needs Ray Serve, which is not installed ({e}): "
                          "pip install 'verispec[ray]'") from None
-    from pydantic import ValidationError
-
     from verispec.models.registry import resolve_model
     from verispec.server.serve import warn_if_exposed
 
@@ -372,23 +388,14 @@ def _serve_replicated(args: argparse.Namespace, spec: SpeculativeConfig | None, 
         raise ValueError("--replicas must be >= 1")
 
     gpus = args.replica_gpus if args.replica_gpus is not None else float(args.device.startswith("cuda"))
-    try:
-        config = ray_serve.ScaleOutConfig(
-            model=args.model, speculative_config=None if spec is None else dataclasses.asdict(spec),
-            served_model_name=args.served_model_name, max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len, max_queue=args.max_queue, device=args.device, dtype=args.dtype,
-            threads=args.threads, request_timeout_s=args.request_timeout or None,
-            enable_prefix_caching=args.enable_prefix_caching,
-            max_request_bytes=args.max_request_bytes, api_key=api_key,
-            num_replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
-            target_ongoing_requests=args.target_ongoing_requests, num_cpus=args.replica_cpus, num_gpus=gpus)
-    except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors())
-        raise ValueError(f"invalid scale-out settings: {problems}") from None
+    config = _serve_config(ray_serve.ScaleOutConfig, {
+        **settings, "num_replicas": args.replicas or 1, "min_replicas": args.min_replicas,
+        "max_replicas": args.max_replicas, "target_ongoing_requests": args.target_ongoing_requests,
+        "num_cpus": args.replica_cpus, "num_gpus": gpus})
     if args.ray_address is None:  # local replicas: fetch a bundled model once, before they start
         resolve_model(args.model)
-    warn_if_exposed(args.host, api_key)
-    ray_serve.run(config, host=args.host, port=args.port, ray_address=args.ray_address)
+    warn_if_exposed(config.host, config.resolved_api_key())
+    ray_serve.run(config, ray_address=args.ray_address)
     return 0
 
 
@@ -440,7 +447,7 @@ def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     from verispec.runtime import set_threads
-    from verispec.speculative.train_drafter import run
+    from verispec.train.drafter import run
 
     settings = TrainSettings(num_heads=args.num_heads, num_layers=args.num_layers, steps=args.steps,
                              batch_size=args.batch_size, lr=args.lr, seq_len=args.seq_len,

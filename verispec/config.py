@@ -279,7 +279,7 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """``verispec train-drafter``'s settings (see :mod:`verispec.speculative.train_drafter`)."""
+    """``verispec train-drafter``'s settings (see :mod:`verispec.train.drafter`)."""
 
     num_heads: int = 4
     num_layers: int = 1

@@ -17,14 +17,15 @@ from pathlib import Path
 import pytest
 
 from verispec.bench import methods as bench_methods
-from verispec.bench.cli import run_and_report
+from verispec.bench.goals import Goals
+from verispec.bench.harness import run_and_report
 from verispec.bench.report import load_report
 from verispec.bench.runner import Settings
 from verispec.bench.workloads import OVERALL, load_workload
 from verispec.config import SamplingParams
 from verispec.cli import main
-from verispec.speculative import base
-from verispec.speculative.base import Proposal
+from verispec.speculative import registry
+from verispec.speculative.base import Drafter, Proposal
 
 from tiny import LETTERS, loaded, tiny_model
 
@@ -55,7 +56,7 @@ class ToyFormat:
         return "".join(LETTERS[i % len(LETTERS)] for i in ids)
 
 
-class CorruptingDrafter:
+class CorruptingDrafter(Drafter):
     """Proposes nothing useful and, on its first feedback, overwrites the last committed token."""
 
     corrupted_at: list[int] = []
@@ -76,7 +77,7 @@ class CorruptingDrafter:
         pass
 
 
-def make_runner(out_root: Path, methods: str = METHODS, max_turns: int | None = None):
+def make_runner(out_root: Path, methods: str = METHODS, max_turns: int | None = None, goals: Goals = Goals()):
     """A function that runs the harness on the tiny models and returns the report."""
     target_model = tiny_model(VOCAB, seed=0)
     draft_model = tiny_model(VOCAB, seed=1, noise_from=target_model, noise=0.05)
@@ -91,7 +92,7 @@ def make_runner(out_root: Path, methods: str = METHODS, max_turns: int | None = 
         specs = bench_methods.parse_methods(methods)
         return run_and_report(loaded(target_model), ToyFormat(), specs, workload, settings, out,
                               lambda name, quantization: loaded(draft_model, name=name), meta,
-                              previous=previous)
+                              previous=previous, goals=goals)
 
     return run
 
@@ -100,7 +101,7 @@ def make_runner(out_root: Path, methods: str = METHODS, max_turns: int | None = 
 def corrupt_registered():
     CorruptingDrafter.corrupted_at = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(base._REGISTRY, "corrupt", lambda config, context: CorruptingDrafter())
+        mp.setitem(registry._REGISTRY, "corrupt", lambda config, context: CorruptingDrafter())
         yield mp
 
 
@@ -289,9 +290,12 @@ def test_top_p_reaches_every_run_and_the_report(tmp_path, capsys):
 
 
 def test_adaptive_is_held_against_the_best_fixed_k_of_its_family(tmp_path, capsys):
+    from verispec.bench.report import adaptive_goals, render_markdown
+
     methods = "plain,ngram@k=3,ngram@k=1,adaptive=false,ngram@k=3,adaptive=false,draft_model:tiny-draft@k=2"
-    report = make_runner(tmp_path, methods, max_turns=1)(tmp_path / "out", Settings(max_tokens=MAX_TOKENS,
-                                                                                    warmup=False, progress=False))
+    goals = Goals(adaptive_within_best=0.95, adaptive_over_best=1.05, adaptive_vs_plain=0.97)
+    report = make_runner(tmp_path, methods, max_turns=1, goals=goals)(
+        tmp_path / "out", Settings(max_tokens=MAX_TOKENS, warmup=False, progress=False))
     assert report["settings"]["max_turns"] == 1
     assert {r["turn"] for r in report["runs"]} == {0}  # question 1 has two turns; only the first ran
     [a] = report["goals"]["adaptive_vs_fixed"]  # draft_model has no fixed-k sibling: no family
@@ -306,11 +310,23 @@ def test_adaptive_is_held_against_the_best_fixed_k_of_its_family(tmp_path, capsy
         assert p["vs_best"] == pytest.approx(p["adaptive"] / speedups[p["best_fixed"]])
     cats = ["alpha", "beta", "gamma"]
     assert a["within_best"]["met"] == all(a["per_category"][c]["vs_best"] >= 0.95 for c in cats)
+    assert a["within_best"]["lowest"] == min(a["per_category"][c]["vs_best"] for c in cats)
     assert a["over_best_overall"]["met"] == (a["per_category"]["overall"]["vs_best"] >= 1.05)
     assert a["vs_plain"]["lowest"] == min(results["ngram@k=3"][c]["speedup"] for c in cats)
+    assert a["vs_plain"]["met"] == (a["vs_plain"]["lowest"] >= 0.97)
+    assert (a["within_best"]["goal"], a["over_best_overall"]["goal"], a["vs_plain"]["goal"]) == (0.95, 1.05, 0.97)
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## Adaptive against fixed k: ngram" in md and "first 1 turn(s) of each question" in md
     assert "- ngram@k=3: within 5% of the best fixed k in every category" in md
+    assert "x plain in a category (goal >= 0.97x: " in md
+
+    # without goals the same comparison shows its ratios and judges nothing
+    [bare] = adaptive_goals(results, bench_methods.parse_methods(methods))
+    assert bare["per_category"] == a["per_category"] and bare["within_best"]["lowest"] == a["within_best"]["lowest"]
+    assert all(bare[k]["goal"] is None and bare[k]["met"] is None for k in ("within_best", "over_best_overall", "vs_plain"))
+    line = next(line for line in render_markdown({**report, "goals": {**report["goals"], "adaptive_vs_fixed": [bare]}})
+                .splitlines() if line.startswith("- ngram@k=3:"))
+    assert line.startswith("- ngram@k=3: lowest ") and "goal" not in line
 
 
 @pytest.mark.parametrize(

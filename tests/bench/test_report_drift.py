@@ -13,7 +13,7 @@ import pytest
 from verispec.bench.methods import TurnResult
 from verispec.bench.report import aggregate, drift
 from verispec.bench.runner import Run
-from verispec.speculative.metrics import SpecMetrics
+from verispec.metrics import SpecMetrics
 
 
 def run(method: str, total_s: float, one_position_rounds: int, t1: float, question: str = "1") -> Run:

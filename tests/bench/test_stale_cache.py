@@ -13,7 +13,7 @@ from verispec.bench.methods import TurnResult, parse_methods
 from verispec.bench.report import build_report, render_markdown, stale_caches
 from verispec.bench.runner import Settings, run_bench
 from verispec.bench.workloads import Question, Workload, turn_messages
-from verispec.engine.sequence import common_prefix
+from verispec.sequence import common_prefix
 
 PREFIX = [1, 2, 3, 4, 5, 6, 7, 8]  # the chat template's system part, the same in every prompt
 

@@ -38,7 +38,7 @@ def test_a_peer_request_is_timed_like_a_verispec_one():
 
 
 def test_the_better_of_suffix_and_ngram_is_held_against_the_fastest_peer():
-    from verispec.speculative.metrics import SpecMetrics
+    from verispec.metrics import SpecMetrics
 
     decode_s = {"plain": 8.0, "ngram": 4.0, "suffix": 2.0, "openai:mod": 7.0, "openai:simple": 5.0}
     runs = []
@@ -48,11 +48,14 @@ def test_the_better_of_suffix_and_ngram_is_held_against_the_fastest_peer():
             runs.append({"method": method, "group": group, "request": request, "decode_s": seconds,
                          "decode_tokens": 40, "metrics": metrics, "divergence": None})
     results = suffix.aggregate(runs, list(decode_s))
+    args = suffix.parse_args(["--goal-vs-peers", "2.4"])
     peer = results["openai:simple"]["repetitive"]
     assert peer["speedup"] == pytest.approx(8 / 5) and peer["mean_acceptance_length"] is None
     assert peer["identical"] == 2 and peer["decode_tok_s"] == pytest.approx(80 / 10)
-    vs = suffix.goals(results, ["openai:mod", "openai:simple"])["vs_fastest_peer"]
+    vs = suffix.goals(results, args, ["openai:mod", "openai:simple"])["vs_fastest_peer"]
     assert (vs["ours"], vs["peer"]) == ("suffix", "openai:simple")
-    assert vs["ratio"] == pytest.approx(4.0 / 1.6) and vs["met"] is True
-    assert suffix.goals(results)["vs_fastest_peer"] == {"ours": "suffix", "peer": None, "ratio": None,
-                                                        "goal": suffix.GOAL_VS_PEERS, "met": None}
+    assert vs["ratio"] == pytest.approx(4.0 / 1.6) and vs["goal"] == 2.4 and vs["met"] is True
+    assert suffix.goals(results, suffix.parse_args(["--goal-vs-peers", "2.6"]), ["openai:simple"])[
+        "vs_fastest_peer"]["met"] is False  # the goal is the caller's
+    assert suffix.goals(results, args)["vs_fastest_peer"] == {"ours": "suffix", "peer": None, "ratio": None,
+                                                              "goal": 2.4, "met": None}

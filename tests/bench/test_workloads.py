@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from verispec.bench.workloads import MT_BENCH_CATEGORIES, SPEC_BENCH_ENV, load_workload, turn_messages
+from verispec.bench.workloads import (
+    MT_BENCH_CATEGORIES, SPEC_BENCH_ENV, SPEC_BENCH_GROUPS, load_workload, spec_bench_path, turn_messages,
+)
 
 
 def write(tmp_path, rows):
@@ -67,8 +69,37 @@ def test_missing_files_give_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="question file not found"):
         load_workload(str(tmp_path / "none.jsonl"), None, 1)
     monkeypatch.setenv(SPEC_BENCH_ENV, str(tmp_path / "missing.jsonl"))
-    with pytest.raises(FileNotFoundError, match=f"verispec does not ship it.*{SPEC_BENCH_ENV}"):
+    with pytest.raises(FileNotFoundError, match=f"missing.jsonl \\(from \\${SPEC_BENCH_ENV}; unset it"):
         load_workload("spec-bench", None, 1)
+
+
+def test_spec_bench_ships_with_the_package(monkeypatch):
+    """Without ``$VERISPEC_SPEC_BENCH`` the copy inside the package is read, from any directory:
+    all 480 questions, 80 per task group and 10 per MT-bench category."""
+    monkeypatch.delenv(SPEC_BENCH_ENV, raising=False)
+    monkeypatch.chdir("/")
+    path = spec_bench_path()
+    assert path.parts[-4:] == ("bench", "data", "spec_bench", "question.jsonl")
+    assert (path.parent / "LICENSE").read_text(encoding="utf-8").lstrip().startswith("Apache License")
+    w = load_workload("spec-bench", None, 80)
+    assert w.source == str(path) and len(w.questions) == 6 * 80
+    assert list(dict.fromkeys(q.category for q in w.questions)) == list(SPEC_BENCH_GROUPS)
+    assert len(load_workload("spec-bench", MT_BENCH_CATEGORIES, 100).questions) == 8 * 10
+
+
+def test_every_data_file_is_declared_package_data():
+    """A plain ``pip install`` (not editable) copies only the files pyproject.toml declares."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parents[2]
+    package = root / "verispec" / "bench"
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["verispec.bench"]
+    declared = {f for glob in globs for f in package.glob(glob) if f.is_file()}
+    files = {f for f in (package / "data").rglob("*") if f.is_file() and "__pycache__" not in f.parts}
+    assert package / "data" / "spec_bench" / "question.jsonl" in files
+    assert package / "data" / "spec_bench" / "LICENSE" in files
+    assert files <= declared, sorted(str(f) for f in files - declared)
 
 
 def test_spec_bench_found_through_the_environment_defaults_to_its_six_groups(tmp_path, monkeypatch):

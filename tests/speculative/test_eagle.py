@@ -8,18 +8,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
 import verispec.speculative.verify as verify_module
 from distribution import PROMPT, SETTINGS, VOCAB, exact_joint, goodness_of_fit, passes, sample_counts
 from tiny import bigram, loaded, sampled_rows, tiny_model, torch_threads
 from verispec.config import SamplingParams, SpeculativeConfig, TrainSettings
+from verispec import kernels
 from verispec.engine.engine import Engine
+from verispec.models.native import NativeLinear
 from verispec.models.quant import quantize_
-from verispec.speculative.base import DrafterContext, build_drafter
-from verispec.speculative.eagle import (Eagle3Head, EagleConfig, EagleDrafter, choose_draft_vocab,
-                                        default_aux_layers, eagle_loss, eagle_unrolled, load_eagle, save_eagle,
-                                        target_eagle_features)
+from verispec.speculative.base import DrafterContext
+from verispec.speculative.registry import build_drafter
+from verispec.speculative.eagle import EagleDrafter
+from verispec.speculative.eagle_head import Eagle3Head, EagleConfig, default_aux_layers, load_eagle, save_eagle
+from verispec.train.data import choose_draft_vocab, target_eagle_features
+from verispec.train.drafter import train_eagle
+from verispec.train.losses import eagle_loss, eagle_unrolled
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -150,8 +156,6 @@ def llama_config(c: EagleConfig) -> dict:
 
 
 def write_specforge(directory, head: Eagle3Head, layer_ids=None, embed: bool = False) -> None:
-    from safetensors.torch import save_file
-
     directory.mkdir(parents=True, exist_ok=True)
     config = {**llama_config(head.config), "architectures": ["LlamaForCausalLMEagle3"],
               "draft_vocab_size": head.config.draft_vocab_size}
@@ -162,8 +166,6 @@ def write_specforge(directory, head: Eagle3Head, layer_ids=None, embed: bool = F
 
 
 def write_speculators(directory, head: Eagle3Head, layer_ids=None, embed: bool = True) -> None:
-    from safetensors.torch import save_file
-
     directory.mkdir(parents=True, exist_ok=True)
     config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
               "transformer_layer_config": llama_config(head.config),
@@ -209,8 +211,6 @@ def reference_step(state: dict, prefix: str, cfg: dict, norm_before: bool, embed
 
 @pytest.mark.parametrize("layout", ["specforge", "speculators"])
 def test_public_layouts_load_and_compute_as_written(tmp_path, layout):
-    from safetensors.torch import load_file
-
     decoder = tiny_model(seed=1, layers=6, dtype=torch.float32)
     source = random_head(head_config(decoder, draft_vocab=40))
     source.d2t.copy_(choose_draft_vocab([list(range(8, 48))], 48, 40))
@@ -295,9 +295,6 @@ def test_static_trees_are_refused(tmp_path):
 
 
 def test_the_head_runs_on_the_native_kernels_where_its_shapes_fit(tmp_path):
-    from verispec import kernels
-    from verispec.models.native import NativeLinear
-
     if not kernels.available():
         pytest.skip("no native kernels on this machine")
     decoder = tiny_model(seed=1, dtype=torch.float32)
@@ -419,8 +416,6 @@ def test_a_wrong_recovery_rule_fails_the_same_test(dist_models, monkeypatch):
 
 
 def tiny_training(tmp_path, steps: int, resume: bool = False):
-    from verispec.speculative.train_drafter import train_eagle
-
     decoder = bigram(tiny_model(seed=1, layers=4, dtype=torch.float32))
     rows = sampled_rows(decoder, 40, 24, seed=3, greedy=True).tolist()
     settings = TrainSettings(steps=steps, batch_size=8, lr=1e-2, seq_len=24, eval_every=20, save_every=20,

@@ -8,19 +8,22 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 import verispec.speculative.verify as verify_module
 from verispec import kernels
 from distribution import PROMPT, SETTINGS, VOCAB, exact_joint, goodness_of_fit, passes, sample_counts
 from tiny import bigram, loaded, sampled_rows, tiny_model, torch_threads
-from verispec.config import SamplingParams, SpeculativeConfig
+from verispec.config import SamplingParams, SpeculativeConfig, TrainSettings
 from verispec.engine.engine import Engine
 from verispec.models.quant import quantize_
-from verispec.speculative.base import DrafterContext, build_drafter
-from verispec.speculative.medusa import (MedusaDrafter, MedusaHeads, load_medusa, medusa_loss, save_medusa,
-                                         target_features)
-from verispec.speculative.eagle import choose_draft_vocab
+from verispec.speculative.base import DrafterContext
+from verispec.speculative.registry import build_drafter
+from verispec.speculative.medusa import MedusaDrafter, MedusaHeads, load_medusa, save_medusa
 from verispec.speculative.tree import Tree
+from verispec.train.data import choose_draft_vocab, target_features
+from verispec.train.drafter import train_medusa
+from verispec.train.losses import medusa_loss
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -58,8 +61,6 @@ def test_the_faster_decoding_layout_round_trips(tmp_path):
     save_medusa(heads, tmp_path, base_model="tiny")
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["medusa_num_heads"] == 3 and config["medusa_num_layers"] == 2
-    from safetensors.torch import load_file
-
     keys = set(load_file(str(tmp_path / "medusa_lm_head.safetensors")))
     assert keys == {f"{i}.{j}.linear.{w}" for i in range(3) for j in range(2) for w in ("weight", "bias")} | {
         f"{i}.2.weight" for i in range(3)}
@@ -155,8 +156,6 @@ def test_a_reduced_vocabulary_checkpoint_must_map_into_distinct_target_ids(tmp_p
     save_medusa(heads, tmp_path)
     with pytest.raises(ValueError, match="distinct target ids"):
         load_medusa(tmp_path, 64, 48)
-    from safetensors.torch import load_file, save_file
-
     state = load_file(str(tmp_path / "medusa_lm_head.safetensors"))
     del state["d2t"]
     save_file(state, str(tmp_path / "medusa_lm_head.safetensors"))
@@ -343,9 +342,6 @@ def test_a_wrong_recovery_rule_fails_the_same_test(dist_models, monkeypatch):
 
 
 def tiny_training(tmp_path, steps: int, resume: bool = False, rows=None, draft_vocab_size: int = 32768):
-    from verispec.config import TrainSettings
-    from verispec.speculative.train_drafter import train_medusa
-
     decoder = bigram(tiny_model(seed=1, dtype=torch.float32))
     rows = rows if rows is not None else sampled_rows(decoder, 40, 24, seed=3, greedy=True).tolist()
     settings = TrainSettings(num_heads=3, steps=steps, batch_size=8, lr=1e-2, seq_len=24, eval_every=20,

@@ -4,7 +4,7 @@ Syntax, one method per comma-separated item::
 
     NAME[:ARG][@KEY=VALUE[,KEY=VALUE...]]
 
-* verispec methods -- ``plain`` or any registered drafter (:func:`verispec.speculative.base.available_methods`).
+* verispec methods -- ``plain`` or any registered drafter (:func:`verispec.speculative.registry.available_methods`).
   ``ARG`` is the ``model`` field (``draft_model:qwen2.5-coder-0.5b-instruct``); each option is
   a :class:`~verispec.config.SpeculativeConfig` field, with ``k`` short for
   ``num_speculative_tokens`` (``ngram@k=6,prompt_lookup_max=3``). Nothing here names a
@@ -52,7 +52,7 @@ from typing import Any, Protocol
 import torch
 
 from verispec.config import SamplingParams, SpeculativeConfig
-from verispec.speculative.metrics import SpecMetrics
+from verispec.metrics import SpecMetrics
 
 PLAIN = "plain"
 HF_METHODS = ("plain", "assisted", "prompt_lookup")
@@ -88,7 +88,7 @@ class MethodSpec:
 
 
 def valid_methods_text() -> str:
-    from verispec.speculative.base import available_methods
+    from verispec.speculative.registry import available_methods
 
     return (f"plain, {', '.join(available_methods())} (verispec drafters), hf:plain, hf:assisted:DRAFT, "
             f"hf:prompt_lookup, llamacpp:plain, llamacpp:prompt_lookup, openai:URL[@LABEL]")
@@ -164,7 +164,7 @@ def _parse_options(pairs: list[str], head: str) -> dict[str, Any]:
 
 
 def _check_verispec(spec: MethodSpec) -> None:
-    from verispec.speculative.base import available_methods
+    from verispec.speculative.registry import available_methods
 
     if spec.name == PLAIN:
         if spec.arg or spec.options:
@@ -456,7 +456,7 @@ class Builder:
     def _verispec(self, spec: MethodSpec) -> Runner:
         from verispec.engine.engine import Engine
         from verispec.speculative.base import DrafterContext
-        from verispec.speculative.draft_model import draft_model_drafter
+        from verispec.speculative.registry import draft_model_drafter
 
         config = speculative_config(spec)
         drafter = None

@@ -9,7 +9,7 @@ Figures per method, per category and ``overall`` (all runs of every turn and rep
   push count as prefill output.
 * ``speedup`` / ``decode_speedup`` -- the method's tok/s over verispec ``plain``'s, same runs.
 * ``mean_acceptance_length``, ``acceptance_rate``, ``per_position_acceptance``, ``c`` and
-  ``alpha`` -- from the pooled :class:`~verispec.speculative.metrics.SpecMetrics` (verispec methods
+  ``alpha`` -- from the pooled :class:`~verispec.metrics.SpecMetrics` (verispec methods
   only), with T_target(1) taken from plain decoding in the same category;
   ``draft_share`` / ``verify_share`` -- drafting (a draft model's catching up included) /
   verify-pass time over decode time.
@@ -22,8 +22,8 @@ Figures per method, per category and ``overall`` (all runs of every turn and rep
 * ``tok_per_step`` / ``speed_adjusted_speedup`` -- generated tokens per plain decode step, each
   run's wall time counted in the decode steps T(1) it measured itself (the verify phase of its
   rounds that verified one position), and that over plain's: the machine's speed drifts between
-  the runs of a block (on a shared host a decode step may take 40% longer in one run than in
-  the next), and counted in its own steps a run's speed cancels. Only where every run of the
+  the runs of a block (on a shared host a decode step may be much slower in one run than in the
+  next), and counted in its own steps a run's speed cancels. Only where every run of the
   method had at least ``MIN_T1_ROUNDS`` such rounds (plain, prompt lookup, adaptive methods
   that ran plain rounds; not a draft model drafting every round); else None.
 
@@ -31,13 +31,14 @@ The report's ``drift`` holds, over the question blocks, the median and largest r
 slowest to the fastest T(1) measured by the runs of one block: how far apart in speed the
 methods compared side by side really ran.
 
-Goals: verispec's best speculative method >= 2x the best ``hf:assisted`` tok/s, verispec plain
->= 1.5x ``hf:plain``, and every verispec answer at T = 0 identical to plain. ``vs_peers`` puts
-verispec's fastest method overall against each other engine's method (transformers, llama.cpp,
-an ``openai:*`` server), overall and per category. When the methods hold a drafter both
-adaptive (the default) and with fixed k (``adaptive=false``), otherwise alike, each adaptive
-variant is also held to the controller's goals: within 5% of the best fixed k in every
-category, at least 5% above it overall, and never below 0.97x plain in a category.
+Goals: every verispec answer at T = 0 identical to plain, and the ratios of :class:`Goals`, each
+held to the threshold the caller gives (``verispec bench --goal-*``; a report without one shows
+the ratio only): verispec's best speculative method over the best ``hf:assisted`` tok/s,
+verispec plain over ``hf:plain``. ``vs_peers`` puts verispec's fastest method overall against
+each other engine's method (transformers, llama.cpp, an ``openai:*`` server), overall and per
+category. When the methods hold a drafter both adaptive (the default) and with fixed k
+(``adaptive=false``), otherwise alike, each adaptive variant is also set against the best fixed
+k in every category and overall, and against plain in every category.
 """
 
 from __future__ import annotations
@@ -47,18 +48,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from verispec.bench.goals import Goals, judged
 from verispec.bench.methods import PLAIN, MethodSpec, TurnResult
 from verispec.bench.runner import BenchResult, Run, Settings
 from verispec.bench.plots import plot_acceptance, plot_speedup
 from verispec.bench.workloads import OVERALL, Workload
 from verispec.config import SpeculativeConfig
-from verispec.speculative.metrics import SpecMetrics
+from verispec.metrics import SpecMetrics
 
-GOAL_VS_HF_ASSISTED = 2.0
-GOAL_PLAIN_VS_HF_PLAIN = 1.5
-GOAL_ADAPTIVE_WITHIN_BEST = 0.95  # adaptive >= 95% of the best fixed k in every category
-GOAL_ADAPTIVE_OVER_BEST = 1.05  # ... and >= 105% of the best fixed k overall
-GOAL_ADAPTIVE_VS_PLAIN = 0.97  # ... and >= 97% of plain in every category
 STEERING_OPTIONS = ("k", "num_speculative_tokens", "adaptive")  # what may differ within a family
 MIN_T1_ROUNDS = 5  # one-position rounds a run needs for its own T(1) to count
 
@@ -187,7 +184,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def goals(results: dict, specs: list[MethodSpec], greedy: bool) -> dict:
+def goals(results: dict, specs: list[MethodSpec], greedy: bool, thresholds: Goals = Goals()) -> dict:
     def overall(pred) -> list[tuple[float, str]]:
         return sorted(((results[s.label][OVERALL]["tok_s"] or 0.0, s.label) for s in specs
                        if pred(s) and OVERALL in results[s.label]), reverse=True)
@@ -196,20 +193,20 @@ def goals(results: dict, specs: list[MethodSpec], greedy: bool) -> dict:
     assisted = overall(lambda s: s.backend == "hf" and s.name == "assisted")
     plain, hf_plain = overall(lambda s: s.is_plain), overall(lambda s: s.backend == "hf" and s.name == "plain")
 
-    def goal(a: list, b: list, target: float) -> dict:
+    def goal(a: list, b: list, target: float | None) -> dict:
         value = _ratio(a[0][0], b[0][0]) if a and b else None
         return {"ours": a[0][1] if a else None, "theirs": b[0][1] if b else None, "ratio": value,
-                "goal": target, "met": None if value is None else value >= target}
+                **judged(value, target)}
 
     ours_runs = [(s.label, results[s.label].get(OVERALL, {})) for s in specs if s.backend == "verispec"]
     compared = sum(f.get("compared") or 0 for _, f in ours_runs)
     same = sum(f.get("identical") or 0 for _, f in ours_runs)
     return {
-        "best_verispec_vs_hf_assisted": goal(ours, assisted, GOAL_VS_HF_ASSISTED),
-        "verispec_plain_vs_hf_plain": goal(plain, hf_plain, GOAL_PLAIN_VS_HF_PLAIN),
+        "best_verispec_vs_hf_assisted": goal(ours, assisted, thresholds.vs_hf_assisted),
+        "verispec_plain_vs_hf_plain": goal(plain, hf_plain, thresholds.plain_vs_hf_plain),
         "verispec_t0_identical": {"identical": same, "compared": compared,
                                   "met": (same == compared) if greedy and compared else None},
-        "adaptive_vs_fixed": adaptive_goals(results, specs),
+        "adaptive_vs_fixed": adaptive_goals(results, specs, thresholds),
         "vs_peers": against_peers(results, specs, overall(lambda s: s.backend == "verispec")),
     }
 
@@ -246,7 +243,7 @@ def adaptive_families(specs: list[MethodSpec]) -> dict[str, tuple[list[str], lis
     return {f: members for f, members in families.items() if all(members)}
 
 
-def adaptive_goals(results: dict, specs: list[MethodSpec]) -> list[dict]:
+def adaptive_goals(results: dict, specs: list[MethodSpec], thresholds: Goals = Goals()) -> list[dict]:
     """Each adaptive method against the best of its family's fixed k, per category (end to end
     speedups over plain, the same runs)."""
     out = []
@@ -262,15 +259,13 @@ def adaptive_goals(results: dict, specs: list[MethodSpec]) -> list[dict]:
                 continue
             cats = [c for c in per_cat if c != OVERALL]
             lowest = min((per_cat[c]["adaptive"] or 0.0 for c in cats), default=None)
+            lowest_vs_best = min((per_cat[c]["vs_best"] or 0.0 for c in cats), default=None)
             overall = per_cat.get(OVERALL, {}).get("vs_best")
             out.append({
                 "family": family, "adaptive": label, "fixed": fixed, "per_category": per_cat,
-                "within_best": {"goal": GOAL_ADAPTIVE_WITHIN_BEST,
-                                "met": all((per_cat[c]["vs_best"] or 0.0) >= GOAL_ADAPTIVE_WITHIN_BEST for c in cats)},
-                "over_best_overall": {"ratio": overall, "goal": GOAL_ADAPTIVE_OVER_BEST,
-                                      "met": None if overall is None else overall >= GOAL_ADAPTIVE_OVER_BEST},
-                "vs_plain": {"lowest": lowest, "goal": GOAL_ADAPTIVE_VS_PLAIN,
-                             "met": None if lowest is None else lowest >= GOAL_ADAPTIVE_VS_PLAIN},
+                "within_best": {"lowest": lowest_vs_best, **judged(lowest_vs_best, thresholds.adaptive_within_best)},
+                "over_best_overall": {"ratio": overall, **judged(overall, thresholds.adaptive_over_best)},
+                "vs_plain": {"lowest": lowest, **judged(lowest, thresholds.adaptive_vs_plain)},
             })
     return out
 
@@ -293,8 +288,8 @@ def report_header(specs: list[MethodSpec], workload: Workload, settings: Setting
 
 
 def build_report(result: BenchResult, specs: list[MethodSpec], workload: Workload, settings: Settings,
-                 meta: dict) -> dict:
-    """Everything about one benchmark run, as one JSON-ready dict."""
+                 meta: dict, thresholds: Goals = Goals()) -> dict:
+    """Everything about one benchmark run, as one JSON-ready dict; its ratios held to ``thresholds``."""
     labels = [s.label for s in specs]
     categories = list(dict.fromkeys(q.category for q in workload.questions))
     greedy = settings.temperature == 0
@@ -314,7 +309,7 @@ def build_report(result: BenchResult, specs: list[MethodSpec], workload: Workloa
         "results": results,
         "drift": drift(result.runs),
         "stale_caches": stale_caches(result.runs),
-        "goals": goals(results, specs, greedy),
+        "goals": goals(results, specs, greedy, thresholds),
         "runs": [
             {"method": r.method, "question_id": r.question_id, "category": r.category, "turn": r.turn,
              "repeat": r.repeat, "order": r.order, "prompt_tokens": r.prompt_tokens,
@@ -464,27 +459,37 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _goal_lines(g: dict) -> list[str]:
-    def status(met: bool | None) -> str:
-        return "not measured" if met is None else ("met" if met else "NOT met")
+def _status(met: bool | None) -> str:
+    return "not measured" if met is None else ("met" if met else "NOT met")
 
+
+def _goal(g: dict) -> str:
+    """`` (goal >= 2.0x: met)``, or nothing for a ratio that was not held to a goal."""
+    return "" if g["goal"] is None else f" (goal >= {g['goal']}x: {_status(g['met'])})"
+
+
+def _adaptive_line(a: dict) -> str:
+    within, over, plain = a["within_best"], a["over_best_overall"], a["vs_plain"]
+    if within["goal"] is None:
+        first = f"lowest {_f(within.get('lowest'))}x the best fixed k in a category"
+    else:
+        first = (f"within {1 - within['goal']:.0%} of the best fixed k in every category "
+                 f"({_status(within['met'])})")
+    return (f"- {a['adaptive']}: {first}; overall {_f(over['ratio'])}x the best fixed k{_goal(over)}; lowest "
+            f"{_f(plain['lowest'])}x plain in a category{_goal(plain)}")
+
+
+def _goal_lines(g: dict) -> list[str]:
     a, p, t = g["best_verispec_vs_hf_assisted"], g["verispec_plain_vs_hf_plain"], g["verispec_t0_identical"]
     hf = []  # only when transformers ran
     if a["theirs"] is not None:
-        hf.append(f"- best verispec method vs hf:assisted: {a['ours'] or '-'} / {a['theirs']} = {_f(a['ratio'])}x "
-                  f"(goal >= {a['goal']}x: {status(a['met'])})")
+        hf.append(f"- best verispec method vs hf:assisted: {a['ours'] or '-'} / {a['theirs']} = {_f(a['ratio'])}x"
+                  + _goal(a))
     if p["theirs"] is not None:
-        hf.append(f"- verispec plain vs hf:plain: {_f(p['ratio'])}x (goal >= {p['goal']}x: {status(p['met'])})")
+        hf.append(f"- verispec plain vs hf:plain: {_f(p['ratio'])}x" + _goal(p))
     return hf + [
-        f"- verispec answers identical to plain at T = 0: {t['identical']}/{t['compared']} ({status(t['met'])})",
-    ] + [
-        f"- {a['adaptive']}: within {1 - a['within_best']['goal']:.0%} of the best fixed k in every category "
-        f"({status(a['within_best']['met'])}); overall {_f(a['over_best_overall']['ratio'])}x the best fixed k "
-        f"(goal >= {a['over_best_overall']['goal']}x: {status(a['over_best_overall']['met'])}); lowest "
-        f"{_f(a['vs_plain']['lowest'])}x plain in a category (goal >= {a['vs_plain']['goal']}x: "
-        f"{status(a['vs_plain']['met'])})"
-        for a in g.get("adaptive_vs_fixed", [])
-    ]
+        f"- verispec answers identical to plain at T = 0: {t['identical']}/{t['compared']} ({_status(t['met'])})",
+    ] + [_adaptive_line(a) for a in g.get("adaptive_vs_fixed", [])]
 
 
 def summary_json(report: dict) -> str:

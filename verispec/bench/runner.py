@@ -32,7 +32,7 @@ from tqdm import tqdm
 from verispec.bench.methods import Runner, TurnResult
 from verispec.bench.workloads import PromptFormat, Question, turn_messages
 from verispec.config import SamplingParams
-from verispec.engine.sequence import common_prefix
+from verispec.sequence import common_prefix
 
 WARMUP_PROMPT = "Say hello."
 WARMUP_TOKENS = 8

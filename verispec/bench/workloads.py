@@ -4,9 +4,9 @@ A workload is a list of :class:`Question`: an id, a category and one or more use
 schema of Spec-Bench's ``question.jsonl`` (one JSON object per line with ``question_id``,
 ``category`` and ``turns``). Three sources share it:
 
-* ``spec-bench`` -- Spec-Bench's own file (Xia et al. 2024), found through
-  ``$VERISPEC_SPEC_BENCH`` or at ``../shared/data/spec_bench/question.jsonl`` relative to the
-  current directory; verispec does not ship it.
+* ``spec-bench`` -- Spec-Bench's own file (Xia et al. 2024, Apache-2.0), shipped with verispec
+  in ``verispec/bench/data/spec_bench/`` with its licence; ``$VERISPEC_SPEC_BENCH`` names another
+  copy to read instead.
 * ``code-edit`` -- a small built-in set of "rewrite this code with X changed" prompts, where the
   answer copies much of the prompt (the case prompt-lookup drafters are made for).
 * any other value is the path of a user's JSONL file in the same schema.
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 SPEC_BENCH_ENV = "VERISPEC_SPEC_BENCH"
-SPEC_BENCH_RELATIVE = Path("../shared/data/spec_bench/question.jsonl")
+SPEC_BENCH_PACKAGED = Path(__file__).parent / "data" / "spec_bench" / "question.jsonl"
 MT_BENCH = "mt_bench"
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 SPEC_BENCH_GROUPS = (MT_BENCH, "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -87,18 +87,17 @@ def load_workload(spec: str, categories: Sequence[str] | None, num_questions: in
 
 
 def spec_bench_path() -> Path:
-    """Where Spec-Bench's ``question.jsonl`` is: ``$VERISPEC_SPEC_BENCH``, else next to the repo."""
+    """Spec-Bench's ``question.jsonl``: ``$VERISPEC_SPEC_BENCH`` when set, else the packaged copy."""
     env = os.environ.get(SPEC_BENCH_ENV)
-    candidates = [Path(env)] if env else [SPEC_BENCH_RELATIVE]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"Spec-Bench's question.jsonl was not found at {candidates[0]} "
-        f"({'from $' + SPEC_BENCH_ENV if env else 'relative to the current directory'}). verispec does "
-        f"not ship it: get data/spec_bench/question.jsonl from the Spec-Bench repository and set "
-        f"{SPEC_BENCH_ENV}=PATH, or pass --questions PATH"
-    )
+    path = Path(env) if env else SPEC_BENCH_PACKAGED
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"Spec-Bench's question.jsonl was not found at {path} "
+            + (f"(from ${SPEC_BENCH_ENV}; unset it to use the copy shipped with verispec)" if env
+               else "(the copy shipped with verispec: reinstall verispec, or set "
+                    f"{SPEC_BENCH_ENV}=PATH)")
+        )
+    return path
 
 
 def read_jsonl(text: str, where: str) -> list[dict[str, Any]]:

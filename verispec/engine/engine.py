@@ -73,7 +73,7 @@ from verispec.engine.calibration import calibrate
 from verispec.engine.slots import SlotTable, prefix_caching_for
 from verispec.sequence import Sequence
 from verispec.sampling import logits_to_probs, make_generator
-from verispec.speculative.base import EMPTY_PROPOSAL, AuxBranch, Drafter, DrafterContext, Outcome, Proposal
+from verispec.speculative.base import EMPTY_PROPOSAL, Drafter, DrafterContext, Outcome, Proposal
 from verispec.speculative.controller import AdaptiveController, Controller, RoundReport, build_controller
 from verispec.metrics import SpecMetrics
 from verispec.speculative.registry import build_drafter
@@ -247,7 +247,7 @@ class Engine:
                     aux = 0 if outcome.aux_logits is None else outcome.aux_logits.shape[0]
                     report = RoundReport(outcome.num_proposed, outcome.num_accepted, len(outcome.committed), ds, vs,
                                          num_positions=1 + outcome.num_proposed + aux,
-                                         depth=_depth(proposal) if proposal.parents is not None else 0)
+                                         depth=proposal.depth() if proposal.parents is not None else 0)
                     self.controller.observe(seq, report)
                 except Exception as e:
                     faults.fail(seq, "committing its tokens", e)
@@ -312,14 +312,14 @@ class Engine:
         t0 = time.perf_counter()
         proposal = self.drafter.propose(seq, k)
         self.costs.record_proposal(len(proposal), time.perf_counter() - t0)
-        if _depth(proposal) > k:
-            raise RuntimeError(f"drafter proposed a depth of {_depth(proposal)}, more than the {k} asked for")
+        if proposal.depth() > k:
+            raise RuntimeError(f"drafter proposed a depth of {proposal.depth()}, more than the {k} asked for")
         if proposal.values is not None and len(proposal) > 1 and not _fixed_k(seq):
             # The node budget: how many of the tree's best nodes are worth a verify position.
             n = self.controller.choose_nodes(seq, proposal.values, time.perf_counter() - t0)
             if not 1 <= n <= len(proposal):
                 raise RuntimeError(f"the controller kept {n} tree nodes, outside 1..{len(proposal)}")
-            proposal = _first_nodes(proposal, n)
+            proposal = proposal.first_nodes(n)
         return proposal
 
     def _keep_drafting(self, seq: Sequence, drafted: int, value: float) -> bool:
@@ -422,7 +422,9 @@ class Engine:
         mask = None
         if aux is not None:
             tokens, offsets = segment + aux.tokens, offsets + aux.positions
-            mask = self._aux_mask(start, len(segment), aux)
+            if self.model.config.sliding_window is not None:
+                raise ValueError("aux branches (lookahead) do not support sliding-window attention")
+            mask = aux.attention_mask(start, len(segment), self.model.device)[None]
         device = self.model.device
         ids = torch.tensor([tokens], device=device)  # [1, n+1+m]
         positions = start + torch.tensor([offsets], device=device)  # [1, n+1+m]
@@ -433,28 +435,6 @@ class Engine:
         aux_logits = None if aux is None else logits[0, n1:]  # [m, V]
         return Verified(self._verify_logits(seq, proposal, logits[:, :n1]), start, aux_logits=aux_logits,
                         features=None if features is None else features[0, :n1])
-
-    def _aux_mask(self, start: int, n1: int, aux: AuxBranch) -> torch.Tensor:
-        """Attention mask [1, n1+m, start+n1+m] for the verify segment followed by an aux branch.
-
-        Worked example, cache length 3, segment [t, d1] (n1 = 2) and 2 aux rows::
-
-            row   cache 0 1 2 | t d1 | a1 a2
-            t           1 1 1 | 1 0  | 0  0     (causal, as without the branch)
-            d1          1 1 1 | 1 1  | 0  0
-            a1          1 1 1 | aux.mask[0]
-            a2          1 1 1 | aux.mask[1]
-        """
-        if self.model.config.sliding_window is not None:
-            raise ValueError("aux branches (lookahead) do not support sliding-window attention")
-        device, m = self.model.device, len(aux.tokens)
-        if len(aux.positions) != m or tuple(aux.mask.shape) != (m, n1 + m):
-            raise ValueError(f"aux branch of {m} tokens needs {m} positions and a [{m}, {n1 + m}] mask; got "
-                             f"{len(aux.positions)} positions and a {list(aux.mask.shape)} mask")
-        mask = torch.ones(n1 + m, start + n1 + m, dtype=torch.bool, device=device)
-        mask[:n1, start:] = torch.ones(n1, n1 + m, dtype=torch.bool, device=device).tril()
-        mask[n1:, start:] = aux.mask.to(device)
-        return mask[None]
 
     def _verify_logits(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> VerifyResult:
         p = seq.params
@@ -467,7 +447,7 @@ class Engine:
 
     def _verify_tree(self, seq: Sequence, proposal: Proposal) -> Verified:
         start = self.cache.length(seq.slot)
-        proposal = _first_nodes(proposal, self.max_model_len - start - 1)
+        proposal = proposal.first_nodes(self.max_model_len - start - 1)
         tree = Tree((-1, *proposal.parents))
         layout = tree_layout(tree, start, self.model.device)
         ids = torch.tensor([[seq.output_ids[-1], *proposal.tokens]], device=self.model.device)  # [1, N]
@@ -523,24 +503,3 @@ def _fixed_k(seq: Sequence) -> bool:
     """A request that pinned its k, or a seeded sampled one (its seed must reproduce its output),
     drafts a fixed k."""
     return seq.num_speculative_tokens is not None or (seq.params.seed is not None and not seq.params.greedy)
-
-def _depth(proposal: Proposal) -> int:
-    """Tokens the proposal can commit before the bonus: its length, or a tree's depth."""
-    if proposal.parents is None:
-        return len(proposal)
-    return max(Tree((-1, *proposal.parents)).depths)
-
-
-def _first_nodes(proposal: Proposal, n: int) -> Proposal:
-    """The tree's first ``n`` nodes (what fits in the cache, or the node budget).
-
-    Exact for every child mode: dropping the last nodes drops, at each node, a suffix of its
-    children (and their subtrees), chosen by count alone, never by the drawn tokens. (A node
-    budget is chosen from draft values, which only top-k trees carry: their children are not
-    drawn, and any subtree picked before the target runs keeps verification exact.)
-    """
-    if len(proposal) <= n:
-        return proposal
-    probs = None if proposal.probs is None else proposal.probs[:n]
-    values = None if proposal.values is None else proposal.values[:n]
-    return Proposal(proposal.tokens[:n], probs, proposal.parents[:n], proposal.children, values=values)

@@ -27,7 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
+
+from verispec.speculative.tree import Tree
 
 if TYPE_CHECKING:
     from verispec.models.loader import LoadedModel
@@ -49,6 +52,27 @@ class AuxBranch:
     tokens: list[int]  # [m]
     positions: list[int]  # [m], offsets from t's position
     mask: Tensor  # [m, n + 1 + m] bool over (t, d_1..d_n, aux_1..aux_m)
+
+    def attention_mask(self, start: int, n1: int, device: torch.device | str) -> Tensor:
+        """The pass's mask [n1+m, start+n1+m] for a verify segment of ``n1`` rows after
+        ``start`` cached positions, followed by this branch.
+
+        Worked example, cache length 3, segment [t, d1] (n1 = 2) and 2 aux rows::
+
+            row   cache 0 1 2 | t d1 | a1 a2
+            t           1 1 1 | 1 0  | 0  0     (causal, as without the branch)
+            d1          1 1 1 | 1 1  | 0  0
+            a1          1 1 1 | mask[0]
+            a2          1 1 1 | mask[1]
+        """
+        m = len(self.tokens)
+        if len(self.positions) != m or tuple(self.mask.shape) != (m, n1 + m):
+            raise ValueError(f"aux branch of {m} tokens needs {m} positions and a [{m}, {n1 + m}] mask; got "
+                             f"{len(self.positions)} positions and a {list(self.mask.shape)} mask")
+        mask = torch.ones(n1 + m, start + n1 + m, dtype=torch.bool, device=device)
+        mask[:n1, start:] = torch.ones(n1, n1 + m, dtype=torch.bool, device=device).tril()
+        mask[n1:, start:] = self.mask.to(device)
+        return mask
 
 
 @dataclass(frozen=True)
@@ -82,6 +106,26 @@ class Proposal:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def depth(self) -> int:
+        """Tokens the proposal can commit before the bonus: its length, or a tree's depth."""
+        if self.parents is None:
+            return len(self)
+        return max(Tree((-1, *self.parents)).depths)
+
+    def first_nodes(self, n: int) -> Proposal:
+        """A tree's first ``n`` nodes (what fits in the cache, or the node budget).
+
+        Exact for every child mode: dropping the last nodes drops, at each node, a suffix of its
+        children (and their subtrees), chosen by count alone, never by the drawn tokens. (A node
+        budget is chosen from draft values, which only top-k trees carry: their children are not
+        drawn, and any subtree picked before the target runs keeps verification exact.)
+        """
+        if len(self) <= n:
+            return self
+        probs = None if self.probs is None else self.probs[:n]
+        values = None if self.values is None else self.values[:n]
+        return Proposal(self.tokens[:n], probs, self.parents[:n], self.children, values=values)
 
 
 EMPTY_PROPOSAL = Proposal(tokens=[])

@@ -48,11 +48,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType, quants
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from verispec.engine.sequence import Sequence
+from verispec import kernels
+from verispec.models.lm_head import lm_head_weight
+from verispec.models.native import NativeLinear
+from verispec.sequence import Sequence
 from verispec.sampling import logits_to_probs
-from verispec.speculative.base import DrafterContext, Outcome, Proposal, register_drafter
+from verispec.speculative.base import Drafter, DrafterContext, Outcome, Proposal
 from verispec.speculative.tree import Tree
 
 WEIGHTS_SAFETENSORS = "medusa_lm_head.safetensors"
@@ -155,8 +160,6 @@ def _layout_state(heads: MedusaHeads) -> dict[str, Tensor]:
 
 def save_medusa(heads: MedusaHeads, directory: str | Path, base_model: str = "") -> Path:
     """Write ``heads`` in the FasterDecoding layout (``config.json`` and safetensors)."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
@@ -187,8 +190,6 @@ def load_medusa(directory: str | Path, hidden_size: int, vocab_size: int) -> Med
         raise ValueError(f"{config_path}: draft_vocab_size {draft_vocab_size} is outside the target's "
                          f"vocabulary of {vocab_size}")
     if (directory / WEIGHTS_SAFETENSORS).is_file():
-        from safetensors.torch import load_file
-
         state = load_file(str(directory / WEIGHTS_SAFETENSORS))
     elif (directory / WEIGHTS_TORCH).is_file():
         state = torch.load(directory / WEIGHTS_TORCH, map_location="cpu", weights_only=True)
@@ -218,7 +219,7 @@ def load_medusa(directory: str | Path, hidden_size: int, vocab_size: int) -> Med
     return heads
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     """Chain or tree proposals from :class:`MedusaHeads` (module doc)."""
 
     hidden_layers = (-1,)  # the final normed hidden state, the one the LM head reads
@@ -316,11 +317,6 @@ def quantize_heads_(heads: MedusaHeads, shared_rows: Tensor | None = None) -> Ca
     that product on the kernels, else None. As for an EAGLE-3 head: a drafter's weights only
     change what it proposes, never what verification accepts; float32 ResBlocks alone are
     9.4 MB per head for the 1.5B target, read in every round."""
-    from gguf import GGMLQuantizationType, quants
-
-    from verispec import kernels
-    from verispec.models.native import NativeLinear
-
     if not kernels.available():
         return None
     fmt = kernels.FORMATS["Q8_0"]
@@ -349,7 +345,6 @@ def quantize_heads_(heads: MedusaHeads, shared_rows: Tensor | None = None) -> Ca
     return None if lin is None else (lambda x: lin(x.float()))
 
 
-@register_drafter("medusa")
 def make_medusa_drafter(config, context: DrafterContext) -> MedusaDrafter:
     if not config.model:
         raise ValueError('method "medusa" needs "model": a directory with Medusa heads (config.json and '
@@ -371,8 +366,6 @@ def make_medusa_drafter(config, context: DrafterContext) -> MedusaDrafter:
 
     shared_rows = None  # the target's LM-head rows for a reduced draft vocabulary, [V_draft, H]
     if heads.lm_heads is None and heads.reduced:
-        from verispec.speculative.train_drafter import lm_head_weight
-
         shared_rows = lm_head_weight(decoder).detach()[heads.target_ids(torch.arange(heads.draft_vocab_size))].float()
 
     def target_head(x: Tensor) -> Tensor:
@@ -384,36 +377,3 @@ def make_medusa_drafter(config, context: DrafterContext) -> MedusaDrafter:
     if config.quantization != "none" and decoder.device.type == "cpu":
         head = quantize_heads_(heads, shared_rows) or target_head
     return MedusaDrafter(heads, tree=tree, topk=config.speculative_eagle_topk, budget=budget, target_head=head)
-
-
-# ---- training (Medusa-1: the target frozen, heads only) --------------------------------------
-
-def target_features(decoder, rows: Tensor) -> Tensor:
-    """The target's final normed hidden states for token rows ``[N, T]`` (teacher forcing):
-    ``[N, T, H]`` float32, detached from inference mode so heads can train on them."""
-    cache = decoder.new_cache(rows.shape[1], num_slots=rows.shape[0])
-    positions = torch.arange(rows.shape[1], device=rows.device).expand_as(rows)
-    out = decoder(rows, positions, cache, num_logits=1, output_hidden_states=True, prefill=True)
-    return out.hidden_states[-1].float().clone()
-
-
-def medusa_loss(heads: MedusaHeads, hidden: Tensor, rows: Tensor, decay: float = 0.8,
-                shared_head: Callable[[Tensor], Tensor] | None = None, first_base: int = 0) -> Tensor:
-    """Medusa's loss: head i at position t is scored on token t + i + 2, weighted ``decay**i``.
-    ``hidden`` ``[N, T, H]`` are the target's features of ``rows`` ``[N, T]``; positions before
-    ``first_base`` are not scored, nor are tokens outside a reduced draft vocabulary (the heads
-    cannot propose them)."""
-    n, t, h = hidden.shape
-    logits = heads(hidden.reshape(n * t, h), shared_head).reshape(heads.num_heads, n, t, -1)  # [K, N, T, V_draft]
-    labels = heads.draft_labels(rows)  # [N, T]
-    total = hidden.new_zeros(())
-    for i in range(heads.num_heads):
-        shift = i + 2
-        if first_base + shift >= t:
-            break
-        target = labels[:, first_base + shift:].reshape(-1)
-        if not bool((target >= 0).any()):
-            continue
-        pred = logits[i, :, first_base : t - shift].reshape(-1, logits.shape[-1])
-        total = total + decay ** i * nn.functional.cross_entropy(pred, target, ignore_index=-100)
-    return total

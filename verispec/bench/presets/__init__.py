@@ -1,11 +1,13 @@
 """Preset benchmarks: ``verispec bench NAME [options]``, one module per preset.
 
 Each preset reproduces one report under docs/benchmarks/ with its settings written down. A
-preset is a function ``main(argv: list[str]) -> int`` that parses its own options (``verispec
-bench NAME --help``) and prints a readable table followed by one JSON line. Presets that are
+preset is a function ``main(argv: list[str]) -> int`` that parses its options (``verispec bench
+NAME --help``) and prints a readable table followed by one JSON line. Its options are the common
+ones it names, with its defaults, from :class:`~verispec.bench.presets.common.PresetParser`, and
+its own, goals included (``--goal-*``, defaulting to the goals of its report). Presets that are
 only settings of the general harness (``report``, ``adaptive``, ``spec``) call
-:func:`verispec.bench.cli.main` with them; the others have their own loop and share
-:mod:`verispec.bench.presets.common` (question selection, one timed run).
+:func:`verispec.bench.harness.main` with them; the others have their own loop and share the rest
+of :mod:`verispec.bench.presets.common` (question selection, one timed run).
 
 To add a preset: write its module with a ``main(argv)``, add one line to :data:`PRESETS`, and
 (optionally) a ``bench-NAME`` target in the Makefile that runs ``verispec bench NAME``.

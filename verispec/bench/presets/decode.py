@@ -45,44 +45,32 @@ from typing import Any
 
 import torch
 
+from verispec.bench.goals import judged
 from verispec.bench.machine import log, machine_load
 from verispec.bench.methods import hf_generate
+from verispec.bench.presets.common import TARGET, PresetParser
 from verispec.bench.report import first_divergence
 
 DEFAULT_PROMPT = (
     "Write a Python function that returns the n-th Fibonacci number using memoization, "
     "and explain its time complexity."
 )
-GOAL_RATIO = 1.5  # ours / transformers decode tokens/s
-GOAL_ROOFLINE = 0.75  # achieved / measured bandwidth
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="verispec bench decode",
-        description="Benchmark plain greedy decoding: verispec's engine vs transformers on the same GGUF.",
-    )
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
-                   help="bundled model name or path to a .gguf file (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per run (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", help="compute dtype for both sides (default: %(default)s)")
+    p = PresetParser("decode", "Benchmark plain greedy decoding: verispec's engine vs transformers on the same GGUF.",
+                     model=TARGET, max_tokens=128, threads=2, dtype="bfloat16", repeats=2, out=None)
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="user message, sent through the chat template")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="timed runs per side, alternating ours/transformers (default: %(default)s)")
     p.add_argument("--bandwidth-gib", type=float, default=2.0,
                    help="size of the bf16 tensor for the read-bandwidth probe, GiB (default: %(default)s)")
     p.add_argument("--bandwidth-trials", type=int, default=7,
                    help="timed sums in the bandwidth probe; the best counts (default: %(default)s)")
     p.add_argument("--no-warmup", action="store_true", help="skip the short untimed warm-up run of each side")
-    p.add_argument("--out", type=Path, help="also write the JSON result to this file")
+    p.add_goal("ratio", 1.5, "verispec's decode tokens/s over transformers'")
+    p.add_goal("roofline", 0.75, "achieved over measured read bandwidth")
     args = p.parse_args(argv)
     if args.max_tokens < 2:
         p.error("--max-tokens must be at least 2 (decode speed needs tokens after the first)")
-    if args.repeats < 1:
-        p.error("--repeats must be at least 1")
-    if args.threads < 1:
-        p.error("--threads must be at least 1")
     if args.bandwidth_gib <= 0 or args.bandwidth_trials < 1:
         p.error("--bandwidth-gib must be > 0 and --bandwidth-trials >= 1")
     return args
@@ -296,11 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     for side, name in (("ours", "verispec"), ("hf", "transformers")):
         m = med[side]
         print(f"| median | {name} | {m['prefill_s']:.3f} | {m['decode_tok_s']:.2f} | {m['overall_tok_s']:.2f} |")
-    goal_mark = "met" if ratio_decode >= GOAL_RATIO else "NOT met"
+    goal_ratio, goal_roofline = judged(ratio_decode, args.goal_ratio), judged(fraction, args.goal_roofline)
     print()
     print("| figure | value | goal |")
     print("|---|---:|---|")
-    print(f"| decode speed ratio verispec / transformers | {ratio_decode:.2f}x | >= {GOAL_RATIO}x ({goal_mark}) |")
+    print(f"| decode speed ratio verispec / transformers | {ratio_decode:.2f}x | >= {args.goal_ratio}x "
+          f"({'met' if goal_ratio['met'] else 'NOT met'}) |")
     print(f"| overall speed ratio verispec / transformers | {ratio_overall:.2f}x | |")
     ident = "identical" if div is None else f"diverge at token {div}"
     print(f"| greedy ids, first {n} tokens | {ident} | |")
@@ -312,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| achieved bandwidth (weights only) | {achieved:.2f} GB/s | |")
     probes = ", ".join(f"{k} {v:.2f}" for k, v in bw["gb_s_by_probe"].items())
     print(f"| measured read bandwidth (best of {args.bandwidth_trials}; {probes}) | {bw['gb_s']:.2f} GB/s | |")
-    roof_mark = "met" if fraction >= GOAL_ROOFLINE else "NOT met"
-    print(f"| roofline fraction | {fraction:.1%} | >= {GOAL_ROOFLINE:.0%} ({roof_mark}) |")
+    print(f"| roofline fraction | {fraction:.1%} | >= {args.goal_roofline:.0%} "
+          f"({'met' if goal_roofline['met'] else 'NOT met'}) |")
     print()
 
     result = {
@@ -331,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         "median": med,
         "ratio_decode": ratio_decode,
         "ratio_overall": ratio_overall,
-        "goal_ratio": GOAL_RATIO,
-        "goal_ratio_met": ratio_decode >= GOAL_RATIO,
+        "goal_ratio": goal_ratio["goal"],
+        "goal_ratio_met": goal_ratio["met"],
         "ids_identical": div is None,
         "first_divergence": div,
         "self_consistent": self_consistent,
@@ -349,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             "measured_gb_s_by_probe": bw["gb_s_by_probe"],
             "probe_bytes": bw["tensor_bytes"],
             "fraction": fraction,
-            "goal_fraction": GOAL_ROOFLINE,
-            "goal_fraction_met": fraction >= GOAL_ROOFLINE,
+            "goal_fraction": goal_roofline["goal"],
+            "goal_fraction_met": goal_roofline["met"],
         },
     }
     line = json.dumps(result)

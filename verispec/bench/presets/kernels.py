@@ -52,6 +52,7 @@ from collections.abc import Callable
 import torch
 
 from verispec import kernels
+from verispec.bench.presets.common import TARGET, PresetParser
 
 ROWS = (1, 2, 4, 8, 9, 16)
 SETTLE = 0.2  # seconds before each timed call of the llama section
@@ -81,8 +82,8 @@ def interleaved(configs: dict[str, Callable[[], object]], repeats: int, settle: 
     warm-up, each call after ``settle`` seconds of sleep. A configuration named in ``warm`` runs
     once more, untimed, right before each timed call: a decode step or verify pass is timed as
     it runs in a generation loop, after another pass, not after whatever the round-robin ran
-    before it (a 1.5B step right after a 700-token prefill took 60.5 ms against 53 ms for the
-    next one, on the AMX Xeon, whichever threads ran the kernels)."""
+    before it: a step right after a long prefill runs measurably slower than the next one, with
+    its caches full of the prefill's data, whichever threads ran the kernels (docs/kernels.md)."""
     for fn in configs.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in configs}
@@ -130,8 +131,8 @@ def _layer_groups(model) -> dict:
 
 
 def _page_in(layers: list) -> None:
-    """One untimed call per layer, so that no timed call pages its weights in from the file (a
-    cold page cache made a first-round gate_up call take 3 ms against 0.4 ms)."""
+    """One untimed call per layer, so that no timed call pages its weights in from the file: a
+    call that does is several times slower than one on resident weights."""
     x = torch.randn(1, layers[0].in_features)
     for layer in layers:
         kernels.matmul(x, layer.parts)
@@ -320,7 +321,7 @@ def bench_llama(loaded, gguf_path, threads: int, repeats: int) -> dict | None:
 def prefill_path() -> dict:
     """Which path long prompts take here and why: the kernels, or dense bf16 copies where a
     prefill-shaped product measures faster through torch's bf16 GEMM (measured again here)."""
-    from verispec.models.decoder import cpu_has_native_bf16
+    from verispec.kernels import cpu_has_native_bf16
     from verispec.models.native import dense_prefill_pays, measure_prefill_paths
 
     dense = dense_prefill_pays()
@@ -414,14 +415,14 @@ def bench_paths(model, repeats: int) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="verispec bench kernels", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="a bundled model or GGUF file")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=7)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = PresetParser("kernels", __doc__, model=TARGET, threads=2, repeats=7)
     p.add_argument("--sections", default="bandwidth,shapes,paths,model,calls,attention,llama", help="comma-separated subset")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from verispec.models.loader import load_model
     from verispec.models.native import is_native
 

@@ -13,7 +13,7 @@ Each decodes ``--max-tokens`` tokens from the same chat-templated prompt ids, ig
 decode tokens/s = (N - 1) / (time after the first token).
 
 Roofline: weight bytes read per token / decode time per token / measured read bandwidth (best
-full ``sum`` over a large tensor, as in ``bench_decode.py``). Bytes per token count every
+full ``sum`` over a large tensor, as in ``verispec bench decode``). Bytes per token count every
 parameter and buffer once, except the input embedding table, of which a lookup reads one row
 (with tied embeddings the dense LM head reads it in full; quantized models read a packed copy).
 For llama.cpp the bytes are the GGUF's tensor data without ``token_embd``, except where the
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from verispec.bench.machine import log, machine_load
+from verispec.bench.presets.common import TARGET, PresetParser
 from verispec.bench.presets.decode import read_bandwidth, run_ours, timing
 from verispec.engine.engine import Engine
 from verispec.models.compile import compile_decoder
@@ -50,12 +51,8 @@ QUANT = {"gguf": "gguf", "bf16": "none", "bf16-compiled": "none", "int8": "int8"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="verispec bench quant", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    p = PresetParser("quant", __doc__.splitlines()[0], model=TARGET, max_tokens=64, repeats=2, threads=None)
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list from {', '.join(VARIANTS)}")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2, help="rounds over all variants (median reported)")
-    p.add_argument("--threads", type=int, default=None, help="default: physical cores")
     p.add_argument("--bandwidth-gib", type=float, default=2.0)
     p.add_argument("--pair", default=None, metavar="DRAFT", help="also measure c and alpha with this draft model")
     p.add_argument("--k", type=int, default=4, help="verify width for alpha (default 4)")

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import torch.nn.modules.linear
 
 from verispec.bench.machine import log, machine_load
-from verispec.bench.workloads import SPEC_BENCH_ENV, SPEC_BENCH_RELATIVE, spec_bench_path
+from verispec.bench.presets.common import PresetParser
 from verispec.models.loader import load_model
 from verispec.models.quant import is_quantized
 from verispec.runtime import set_threads
@@ -64,20 +64,17 @@ def score(model, ids: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.cat(top), torch.cat(nll)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="verispec bench quant-accuracy", description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = PresetParser("quant-accuracy", __doc__.splitlines()[0], questions=None, threads=None)
     p.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct")
     p.add_argument("--tokens", type=int, default=2000, help="teacher-forced tokens per model (default 2000)")
     p.add_argument("--chunk", type=int, default=500, help="positions per forward (default 500)")
     p.add_argument("--group-size", type=int, default=32, help="int4 group size (default 32)")
-    p.add_argument("--questions", type=Path, default=None,
-                   help=f"Spec-Bench question.jsonl (default: ${SPEC_BENCH_ENV}, else {SPEC_BENCH_RELATIVE})")
-    p.add_argument("--threads", type=int, default=None)
-    args = p.parse_args(argv)
-    if args.questions is None:
-        args.questions = spec_bench_path()
-    if not args.questions.is_file():
-        p.error(f"question file not found: {args.questions}; pass --questions PATH to Spec-Bench's question.jsonl")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     threads = set_threads(args.threads)
     load = machine_load(threads)
     prose, code = fixed_text(args.questions)

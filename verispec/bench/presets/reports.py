@@ -10,35 +10,34 @@ from __future__ import annotations
 
 import argparse
 
-from verispec.bench import cli as bench_cli
+from verispec.bench import harness
+from verispec.bench.presets.common import DRAFT, TARGET
 
-TARGET = "qwen2.5-coder-1.5b-instruct"
-DRAFT = "draft_model:qwen2.5-coder-0.5b-instruct"
-HF_DRAFT = "qwen2.5-coder-0.5b-instruct"
+DRAFT_METHOD = f"draft_model:{DRAFT}"
 ALL_CATEGORIES = ("writing,roleplay,reasoning,math,coding,extraction,stem,humanities,translation,summarization,qa,"
                   "math_reasoning,rag")
 
 REPORT_METHODS = ",".join([
-    "plain", "ngram@k=4", "suffix@k=8", "lookahead@k=3", f"{DRAFT}@k=4",
-    f"{DRAFT}@k=5,draft_topk=2,num_draft_tokens=6",
+    "plain", "ngram@k=4", "suffix@k=8", "lookahead@k=3", f"{DRAFT_METHOD}@k=4",
+    f"{DRAFT_METHOD}@k=5,draft_topk=2,num_draft_tokens=6",
 ])
 # The other engines the report runs beside verispec, unless --peers names others (e.g. llama-server
 # in its speculative modes, as openai:URL@LABEL methods).
 REPORT_PEERS = ",".join([
-    "hf:plain", f"hf:assisted:{HF_DRAFT}", "hf:prompt_lookup", "llamacpp:plain", "llamacpp:prompt_lookup",
+    "hf:plain", f"hf:assisted:{DRAFT}", "hf:prompt_lookup", "llamacpp:plain", "llamacpp:prompt_lookup",
 ])
 ADAPTIVE_METHODS = ",".join([
     "plain", "ngram@k=8",
     *(f"ngram@k={k},adaptive=false" for k in (1, 2, 4, 6, 8)),
-    f"{DRAFT}@k=8,quantization=int4",
-    *(f"{DRAFT}@k={k},adaptive=false,quantization=int4" for k in (1, 2, 4, 6, 8)),
+    f"{DRAFT_METHOD}@k=8,quantization=int4",
+    *(f"{DRAFT_METHOD}@k={k},adaptive=false,quantization=int4" for k in (1, 2, 4, 6, 8)),
 ])
 
 
 def _run(name: str, out: str, settings: list[str], argv: list[str], extra: str = "") -> int:
     description = (f"verispec bench with the settings of docs/benchmarks/{out}: {' '.join(settings)}. "
                    "Options given here are added after them (a repeated option wins)." + (" " + extra if extra else ""))
-    return bench_cli.main([*settings, *argv], prog=f"verispec bench {name}", description=description)
+    return harness.main([*settings, *argv], prog=f"verispec bench {name}", description=description)
 
 
 def split_method_options(argv: list[str]) -> tuple[str | None, str | None, list[str]]:

@@ -24,33 +24,19 @@ import json
 import socket
 import statistics
 import sys
-from pathlib import Path
-
 import torch
 
 from verispec.bench.machine import cpu_model, log, machine_load
-from verispec.bench.presets.common import chat_questions, emit_report, spec_bench_path
+from verispec.bench.presets.common import TARGET, PresetParser, chat_questions, emit_report
 from verispec.bench.presets.server import run_level
 
 ENDPOINTS = ("single", "ray-1", "ray-2")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="verispec bench scale", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model (default: %(default)s)")
-    p.add_argument("--speculative-config", default=None, help="drafter of every endpoint (default: none, plain)")
+    p = PresetParser("scale", __doc__, target=TARGET, speculative_config=None, requests=16, max_tokens=64,
+                     repeats=3, threads=2, max_num_seqs=8, max_model_len=2048, questions=None, out=None)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=16, help="requests per endpoint and repeat (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=64, help="max tokens per request (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="(default: %(default)s)")
-    p.add_argument("--threads", type=int, default=2, help="threads of the single server and of ray-1's replica; "
-                   "ray-2's replicas get half each (default: %(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="engine slots per replica (default: %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="(default: %(default)s)")
-    p.add_argument("--questions", type=Path, default=None,
-                   help="Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH or ../shared/data/spec_bench/)")
-    p.add_argument("--out", type=Path, help="also write the JSON result to this file")
     args = p.parse_args(argv)
     if args.threads < 2 or args.threads % 2:
         p.error("--threads must be even: two replicas share them")
@@ -95,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     load = machine_load(args.threads)
-    questions = [q["turns"][0] for q in chat_questions(args.questions or spec_bench_path(), args.requests)]
+    questions = [q["turns"][0] for q in chat_questions(args.questions, args.requests)]
     urls, single = start_endpoints(args)
     runs: dict[str, list[dict]] = {name: [] for name in ENDPOINTS}
     try:

@@ -16,7 +16,7 @@ request, so machine drift hits them alike. Decoding is greedy (T = 0), batch 1.
 Figures per method and group (round 1, round 2, repetitive = both rounds, coding questions):
 decode tokens/s (output tokens after the first / (wall time - prefill)), speedup (plain's decode
 time / the method's, over the same requests), mean acceptance length (counts the bonus token,
-see :mod:`verispec.speculative.metrics`), acceptance rate, and whether outputs equal plain decoding's.
+see :mod:`verispec.metrics`), acceptance rate, and whether outputs equal plain decoding's.
 A Markdown table is printed, then one JSON line.
 """
 
@@ -32,13 +32,11 @@ from typing import Any
 import torch
 
 from verispec.bench.machine import log, machine_load
-from verispec.bench.presets.common import first_divergence, run_one, spec_bench_path
+from verispec.bench.goals import judged
+from verispec.bench.presets.common import TARGET, PresetParser, first_divergence, run_one
 
 METHODS = ("plain", "ngram", "suffix", "lookahead")
 GROUPS = ("round1", "round2", "repetitive", "coding")
-GOAL_SUFFIX = 2.5  # suffix speedup on the repetitive workload
-GOAL_LOOKAHEAD = 1.1  # lookahead speedup on Spec-Bench coding questions
-GOAL_VS_PEERS = 2.0  # the better of suffix and ngram over the fastest peer, repetitive workload
 
 CODE_BODIES = [
     '''def moving_average(values, window):
@@ -225,14 +223,10 @@ def coding_questions(path: Path, n: int) -> list[tuple[str, str]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="verispec bench suffix",
-                                description="Suffix decoding, ngram and lookahead vs plain on a code-editing workload.")
-    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="target model (default: %(default)s)")
+    p = PresetParser("suffix", "Suffix decoding, ngram and lookahead vs plain on a code-editing workload.",
+                     target=TARGET, question_file=None, max_tokens=256, threads=2, quantization="auto", out=None)
     p.add_argument("--num-prompts", type=int, default=8, help=f"code bodies, 1..{len(CODE_BODIES)} (default: %(default)s)")
     p.add_argument("--questions", type=int, default=0, help="also run this many Spec-Bench coding questions")
-    p.add_argument("--question-file", type=Path, default=None,
-                   help="Spec-Bench question.jsonl (default: $VERISPEC_SPEC_BENCH or ../shared/data/spec_bench/)")
-    p.add_argument("--max-tokens", type=int, default=256, help="max generated tokens per request (default: %(default)s)")
     p.add_argument("--k", type=int, default=8, help="draft tokens per round for ngram, suffix and lookahead (default: %(default)s)")
     p.add_argument("--suffix-min-token-prob", type=float, default=0.1, help="suffix_decoding_min_token_prob")
     p.add_argument("--suffix-max-spec-factor", type=float, default=1.0, help="suffix_decoding_max_spec_factor")
@@ -240,15 +234,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS), help="subset of %(default)s; plain is always run")
     p.add_argument("--peers", default="", metavar="openai:URL[@LABEL],...",
                    help="running OpenAI-compatible servers to time beside verispec (e.g. llama-server's n-gram modes)")
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: %(default)s)")
-    p.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf", "int8", "int4"),
-                   help="the target's and the draft's linear layers alike (auto: a GGUF file's own weights on the native kernels; default: %(default)s)")
-    p.add_argument("--out", type=Path, help="also write the JSON result to this file")
+    p.add_goal("suffix", 2.5, "suffix's speedup on the repetitive workload")
+    p.add_goal("lookahead", 1.1, "lookahead's speedup on the Spec-Bench coding questions")
+    p.add_goal("vs-peers", 2.0, "the better of suffix and ngram over the fastest peer, repetitive workload")
     args = p.parse_args(argv)
     if not 1 <= args.num_prompts <= len(CODE_BODIES):
         p.error(f"--num-prompts must be in 1..{len(CODE_BODIES)}")
-    if args.max_tokens < 2 or args.k < 1 or args.threads < 1 or args.questions < 0:
-        p.error("need --max-tokens >= 2, --k >= 1, --threads >= 1 and --questions >= 0")
+    if args.max_tokens < 2 or args.k < 1 or args.questions < 0:
+        p.error("need --max-tokens >= 2, --k >= 1 and --questions >= 0")
     try:
         args.window, args.ngram, args.guess = (int(x) for x in args.lookahead.split(","))
     except ValueError:
@@ -258,10 +251,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--methods: unknown {', '.join(sorted(unknown))}; valid: {', '.join(METHODS)}")
     args.peer_specs = parse_peers(p, args.peers)
-    if args.questions:
-        args.question_file = args.question_file or spec_bench_path()
-        if not args.question_file.is_file():
-            p.error(f"question file not found: {args.question_file}")
     return args
 
 
@@ -309,7 +298,7 @@ def build_engines(args: argparse.Namespace, target: Any, max_model_len: int) -> 
 
 
 def aggregate(runs: list[dict], methods: list[str]) -> dict:
-    from verispec.speculative.metrics import SpecMetrics
+    from verispec.metrics import SpecMetrics
 
     results: dict[str, dict] = {}
     for method in methods:
@@ -355,7 +344,8 @@ def print_report(args: argparse.Namespace, results: dict, load: float) -> None:
     print()
 
 
-def goals(results: dict, peers: tuple[str, ...] | list[str] = ()) -> dict:
+def goals(results: dict, args: argparse.Namespace, peers: tuple[str, ...] | list[str] = ()) -> dict:
+    """The preset's figures held to its ``--goal-*`` options (``args``)."""
     def speedup(method: str, group: str) -> float | None:
         return results.get(method, {}).get(group, {}).get("speedup")
 
@@ -367,14 +357,11 @@ def goals(results: dict, peers: tuple[str, ...] | list[str] = ()) -> dict:
     (ours, our_method), (theirs, peer) = fastest(("suffix", "ngram")), fastest(peers)
     ratio = ours / theirs if ours is not None and theirs else None
     return {
-        "vs_fastest_peer": {"ours": our_method, "peer": peer, "ratio": ratio,
-                            "goal": GOAL_VS_PEERS, "met": None if ratio is None else ratio >= GOAL_VS_PEERS},
-        "suffix_repetitive": {"speedup": suffix, "goal": GOAL_SUFFIX,
-                              "met": None if suffix is None else suffix >= GOAL_SUFFIX},
+        "vs_fastest_peer": {"ours": our_method, "peer": peer, "ratio": ratio, **judged(ratio, args.goal_vs_peers)},
+        "suffix_repetitive": {"speedup": suffix, **judged(suffix, args.goal_suffix)},
         "suffix_vs_ngram": {g: None if speedup("suffix", g) is None or speedup("ngram", g) is None
                             else speedup("suffix", g) >= speedup("ngram", g) for g in GROUPS},
-        "lookahead_coding": {"speedup": lookahead, "goal": GOAL_LOOKAHEAD,
-                             "met": None if lookahead is None else lookahead >= GOAL_LOOKAHEAD},
+        "lookahead_coding": {"speedup": lookahead, **judged(lookahead, args.goal_lookahead)},
     }
 
 
@@ -416,15 +403,16 @@ def main(argv: list[str] | None = None) -> int:
 
     results = aggregate(runs, methods)
     print_report(args, results, load_start)
-    vs = goals(results, list(peers))["vs_fastest_peer"]
+    held = goals(results, args, list(peers))
+    vs = held["vs_fastest_peer"]
     if vs["ratio"] is not None:
         print(f"{vs['ours']} over the fastest peer ({vs['peer']}), decode speed on the repetitive workload: "
-              f"{vs['ratio']:.2f}x (goal >= {GOAL_VS_PEERS:g}x)\n")
+              f"{vs['ratio']:.2f}x (goal >= {vs['goal']:g}x)\n")
     result = {"bench": "suffix", "target": args.target, "max_tokens": args.max_tokens, "k": args.k,
               "lookahead": [args.window, args.ngram, args.guess], "threads": args.threads,
               "requests": len(requests), "loadavg_start": load_start, "loadavg_end": os.getloadavg()[0],
               "peers": {spec.label: spec.arg for spec in args.peer_specs},
-              "results": results, "goals": goals(results, list(peers))}
+              "results": results, "goals": held}
     line = json.dumps(result)
     if args.out:
         args.out.write_text(line + "\n")

@@ -10,11 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tiny import loaded, tiny_model, torch_threads
+from tiny import bigram, loaded, sampled_rows, tiny_model, torch_threads
 from verispec.config import TrainSettings
-from verispec.speculative.eagle import Eagle3Head, EagleConfig, default_aux_layers, eagle_unrolled
-from verispec.speculative.medusa import MedusaHeads
-from verispec.speculative.train_drafter import evaluate, evaluate_eagle, first_drafted, read_rows
+from verispec.speculative.eagle_head import Eagle3Head, EagleConfig, default_aux_layers
+from verispec.speculative.medusa import MedusaHeads, load_medusa
+from verispec.train.data import read_rows
+from verispec.train.drafter import _split, evaluate, evaluate_eagle, first_drafted, train_medusa
+from verispec.train.losses import eagle_unrolled
 
 VOCAB = 48
 
@@ -121,9 +123,6 @@ def test_eagle_reports_skip_the_prompts_positions():
 def test_train_rows_keeps_the_held_out_rows_and_trains_on_a_prefix_of_the_rest(tmp_path):
     """A learning curve against data: runs with fewer rows are judged on the same held-out rows,
     learn less from fewer rows, and count their draft vocabulary on the rows they read."""
-    from tiny import bigram, sampled_rows
-    from verispec.speculative.train_drafter import _split, train_medusa
-
     rows = [[i] * 4 for i in range(40)]
     held, train = _split(rows, TrainSettings(held_out=0.25))
     some_held, some = _split(rows, TrainSettings(held_out=0.25, train_rows=5))
@@ -143,7 +142,6 @@ def test_train_rows_keeps_the_held_out_rows_and_trains_on_a_prefix_of_the_rest(t
 
     full, few = run(0, tmp_path / "all"), run(2, tmp_path / "two")
     assert full[-1].mean_acceptance_length > few[-1].mean_acceptance_length > few[0].mean_acceptance_length
-    from verispec.speculative.medusa import load_medusa
     held, two = _split(rows, TrainSettings(held_out=0.25, train_rows=2))
     read = {t for i in held + two for t in rows[i]}
     vocab = set(load_medusa(tmp_path / "two", 64, VOCAB).target_ids(torch.arange(20)).tolist())

@@ -12,8 +12,8 @@ The target stays frozen and only the heads train (Medusa-1; EAGLE-3 likewise):
    prefill-shaped pass per row), cached in ``OUT``: the final normed state for Medusa
    (``features.pt``), three layers for EAGLE-3 (``eagle_features.pt``).
 3. **Training.** AdamW over random batches of rows, on
-   :func:`~verispec.speculative.medusa.medusa_loss` or on
-   :func:`~verispec.speculative.eagle.eagle_loss`, EAGLE-3's training-time test: the head is
+   :func:`~verispec.train.losses.medusa_loss` or on
+   :func:`~verispec.train.losses.eagle_loss`, EAGLE-3's training-time test: the head is
    unrolled ``ttt_steps`` steps on its own output states, each step attending as the drafter's
    cache will when it drafts that far. A checkpoint (heads, optimizer, step, random state) is written every
    ``save_every`` steps to ``OUT/checkpoint.pt``; ``--resume`` continues from it. The heads
@@ -49,15 +49,16 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from verispec.config import TrainSettings
-from verispec.speculative.eagle import (Eagle3Head, EagleConfig, choose_draft_vocab, default_aux_layers, eagle_loss,
-                                        eagle_step_hits, eagle_unrolled, save_eagle, target_eagle_features,
-                                        unrolled_loss)
-from verispec.speculative.medusa import MedusaHeads, medusa_loss, save_medusa, target_features
-
-
-ANSWER_BATCH = 8  # prompts answered at once
+from verispec.models.lm_head import lm_head_weight
+from verispec.models.loader import load_model
+from verispec.speculative.eagle_head import Eagle3Head, EagleConfig, default_aux_layers, save_eagle
+from verispec.speculative.medusa import MedusaHeads, save_medusa
+from verispec.train.data import (cached, choose_draft_vocab, read_rows, target_eagle_features,
+                                 target_features)
+from verispec.train.losses import eagle_loss, eagle_step_hits, eagle_unrolled, medusa_loss, unrolled_loss
 
 # What a resumed run must share with the checkpoint (steps and reporting may change).
 RESUME_KEYS = ("num_heads", "num_layers", "batch_size", "lr", "seq_len", "max_new_tokens", "held_out", "seed",
@@ -76,92 +77,6 @@ class HeldOut:
         heads = " ".join(f"{a:.2f}" for a in self.head_accuracy)
         return (f"step {self.step}: held-out loss {self.loss:.3f}, head top-1 {heads}, "
                 f"mean acceptance length {self.mean_acceptance_length:.2f}")
-
-
-# ---- data --------------------------------------------------------------------------------------
-
-
-def read_rows(target, data: Path, settings: TrainSettings,
-              log: Callable[[str], None] = print) -> tuple[list[list[int]], list[int]]:
-    """Token rows from ``data`` (module doc): prompts answered by the target, text windows. Also
-    each row's answer start: the index of the target's first answer token in the row (0 for a text
-    window, which is all answer)."""
-    from verispec.config import SamplingParams
-    from verispec.engine.engine import Engine
-
-    tok = target.tokenizer
-    prompts: list[list[int]] = []
-    rows: list[list[int]] = []
-    starts: list[int] = []
-
-    def add_text(text: str) -> None:  # windows of text, all answer
-        windows = _windows(tok.encode(text), settings.seq_len)
-        rows.extend(windows)
-        starts.extend([0] * len(windows))
-
-    if data.suffix == ".jsonl":
-        for n, line in enumerate(data.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{data}:{n}: not JSON: {e}") from None
-            if not isinstance(item, dict):
-                raise ValueError(f"{data}:{n}: expected an object with prompt, messages or text")
-            if isinstance(item.get("prompt"), str):
-                prompts.append(tok.apply_chat_template(item["prompt"]) if tok.has_chat_template
-                               else tok.encode(item["prompt"]))
-            elif isinstance(item.get("messages"), list):
-                prompts.append(tok.apply_chat_template(item["messages"]))
-            elif isinstance(item.get("text"), str):
-                add_text(item["text"])
-            else:
-                raise ValueError(f"{data}:{n}: expected a string prompt, a messages list or a string text")
-    else:
-        add_text(data.read_text(encoding="utf-8", errors="replace"))
-    if prompts:
-        # Answered ANSWER_BATCH at a time (continuous batching): greedy rows do not depend on the
-        # batch, and a CPU decodes 8 rows in about the time of 1.5.
-        engine = Engine(target, max_model_len=settings.seq_len + settings.max_new_tokens + 1,
-                        max_num_seqs=ANSWER_BATCH)
-        params = SamplingParams(temperature=0.0, max_tokens=settings.max_new_tokens)
-        waiting = [p[-settings.seq_len:] for p in prompts]
-        running: dict = {}
-        answered = 0
-        while waiting or running:
-            while waiting and len(running) < ANSWER_BATCH:
-                prompt = waiting.pop(0)
-                running[engine.add_request(prompt, params)] = prompt
-            engine.step()
-            for seq in [s for s in running if s.finished]:
-                if seq.finish_reason == "error":
-                    raise RuntimeError(f"self-distillation failed: {seq.error}")
-                rows.append((running.pop(seq) + seq.output_ids)[-settings.seq_len:])
-                starts.append(max(0, len(rows[-1]) - len(seq.output_ids)))  # the answer ends the row
-                answered += 1
-                log(f"self-distillation: answered prompt {answered}/{len(prompts)} ({len(seq.output_ids)} tokens)")
-    shortest = max(settings.num_heads, settings.ttt_steps) + 2
-    kept = [i for i, r in enumerate(rows) if len(r) >= shortest]
-    if len(kept) < 2:
-        raise ValueError(f"{data} gives {len(kept)} usable row(s); training needs at least 2 "
-                         f"(one is held out), each of at least {shortest} tokens")
-    return [rows[i] for i in kept], [starts[i] for i in kept]
-
-
-def _windows(ids: list[int], length: int) -> list[list[int]]:
-    return [ids[i : i + length] for i in range(0, len(ids), length)]
-
-
-def _cached(path: Path, key: str, build: Callable[[], object]) -> object:
-    """``build()``, stored in ``path`` under ``key`` and reused while the key matches."""
-    if path.is_file():
-        saved = torch.load(path, map_location="cpu", weights_only=False)
-        if saved.get("key") == key:
-            return saved["value"]
-    value = build()
-    torch.save({"key": key, "value": value}, path)
-    return value
 
 
 # ---- held-out evaluation -------------------------------------------------------------------------
@@ -210,26 +125,6 @@ def evaluate(heads: MedusaHeads, features: list[Tensor], rows: list[list[int]], 
 
 
 # ---- training ------------------------------------------------------------------------------------
-
-
-def lm_head_weight(decoder) -> Tensor:
-    """The target's LM head as dense weights ``[V, H]``: the embedding table when they are tied,
-    an ``nn.Linear``'s weight, or a native layer's GGUF blocks dequantized (the exact weights the
-    kernels multiply by)."""
-    from verispec.models.native import NativeLinear
-
-    head = decoder.lm_head
-    if head is None:
-        return decoder.embed.weight
-    if isinstance(head, NativeLinear):
-        from verispec import kernels
-
-        return torch.cat([kernels.dequantize(p) for p in head.parts])
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, Tensor):
-        raise ValueError(f"cannot read the target's LM head ({type(head).__name__}) as dense weights: "
-                         "use --quantization none")
-    return weight
 
 
 def _split(rows: list[list[int]], settings: TrainSettings) -> tuple[list[int], list[int]]:
@@ -290,8 +185,6 @@ def _fit(module: torch.nn.Module, train: list[int], out: Path, settings: TrainSe
 
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=settings.steps, initial=step, desc="train-drafter", unit="step")
     while step < settings.steps:
         batch = [train[gen.randrange(len(train))] for _ in range(settings.batch_size)]
@@ -437,8 +330,6 @@ def run(target_spec: str, method: str, data: Path, out: Path, settings: TrainSet
         raise ValueError(f"train-drafter --method {method}: choose medusa or eagle")
     if not data.is_file():
         raise FileNotFoundError(f"--data {data} does not exist")
-    from verispec.models.loader import load_model
-
     # The target as it will serve (the native kernels by default): its answers come at decode
     # speed, and the heads learn the features they will see.
     target = load_model(target_spec, quantization=quantization)
@@ -447,17 +338,17 @@ def run(target_spec: str, method: str, data: Path, out: Path, settings: TrainSet
     key = json.dumps([target_spec, quantization, digest, settings.seq_len, settings.max_new_tokens,
                       settings.num_heads])
     # The rows with their answer starts (a cache from before the starts were kept is rebuilt).
-    rows, starts = _cached(out / "data.pt", json.dumps([key, "answer_starts"]),
+    rows, starts = cached(out / "data.pt", json.dumps([key, "answer_starts"]),
                            lambda: read_rows(target, data, settings, log))
     log(f"{len(rows)} rows, {sum(map(len, rows))} tokens, "
         f"{sum(len(r) - s for r, s in zip(rows, starts))} of them answers or text")
     if method == "medusa":
-        features = _cached(out / "features.pt", key, lambda: [
+        features = cached(out / "features.pt", key, lambda: [
             target_features(target.model, torch.tensor([r]))[0].to(torch.bfloat16) for r in rows])
         return train_medusa(target, rows, out, settings, resume=resume, features=features, answer_starts=starts,
                             log=log)
     layers = default_aux_layers(target.model.config.num_layers)
-    features = _cached(out / "eagle_features.pt", json.dumps([key, list(layers)]), lambda: [
+    features = cached(out / "eagle_features.pt", json.dumps([key, list(layers)]), lambda: [
         target_eagle_features(target.model, torch.tensor([r]), layers)[0].to(torch.bfloat16) for r in rows])
     return train_eagle(target, rows, out, settings, resume=resume, features=features, answer_starts=starts,
                        log=log)

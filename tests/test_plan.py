@@ -6,7 +6,7 @@ import pytest
 
 from tiny import tiny_model
 from verispec.cli import main
-from verispec.speculative.plan import fit_alpha, format_plan, make_plan, measure, plot_plan
+from verispec.plan import fit_alpha, format_plan, make_plan, measure, plot_plan
 
 
 def test_plan_for_p08_alpha01_free_drafter_peaks_at_6():
