@@ -27,6 +27,9 @@ from verispec.bench import cli as bench_cli
 from verispec.bench.presets import PRESETS, run_preset
 from verispec.config import MAX_REQUEST_BYTES, SamplingParams, SpeculativeConfig, TrainSettings
 
+# The commands import what they run (torch, the models, the server) inside their functions, so
+# that ``verispec --help`` and argument errors answer without loading any of it.
+
 DEFAULT_DEMO_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 

@@ -174,7 +174,7 @@ def run_and_report(target: Any, fmt: PromptFormat, specs: list[MethodSpec], work
     ``previous``: an interrupted report of the same benchmark to continue (``--resume``);
     ``goals``: what the report holds its ratios to (none: it shows them only).
     """
-    from verispec.bench.methods import Builder
+    from verispec.bench.methods import Builder  # torch: as in cmd_bench, not at --help
     from verispec.bench.report import (
         build_report, render_markdown, report_header, resume_runs, summary_json, write_report,
     )

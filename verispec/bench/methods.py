@@ -53,6 +53,8 @@ import torch
 
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.metrics import SpecMetrics
+from verispec.models.registry import resolve_model
+from verispec.speculative.base import DrafterContext
 
 PLAIN = "plain"
 HF_METHODS = ("plain", "assisted", "prompt_lookup")
@@ -88,7 +90,7 @@ class MethodSpec:
 
 
 def valid_methods_text() -> str:
-    from verispec.speculative.registry import available_methods
+    from verispec.speculative.registry import available_methods  # imports every drafter: only when asked
 
     return (f"plain, {', '.join(available_methods())} (verispec drafters), hf:plain, hf:assisted:DRAFT, "
             f"hf:prompt_lookup, llamacpp:plain, llamacpp:prompt_lookup, openai:URL[@LABEL]")
@@ -164,7 +166,7 @@ def _parse_options(pairs: list[str], head: str) -> dict[str, Any]:
 
 
 def _check_verispec(spec: MethodSpec) -> None:
-    from verispec.speculative.registry import available_methods
+    from verispec.speculative.registry import available_methods  # imports every drafter: only when asked
 
     if spec.name == PLAIN:
         if spec.arg or spec.options:
@@ -416,8 +418,7 @@ class OpenAIRunner:
 
 def hf_directory(model: str) -> Path:
     """The Hugging Face directory verispec loads ``model`` from (a GGUF's converted cache)."""
-    from verispec.models.loader import convert_gguf
-    from verispec.models.registry import resolve_model
+    from verispec.models.loader import convert_gguf  # the loader: only for hf:assisted's draft
 
     path = resolve_model(model)
     return path if path.is_dir() else convert_gguf(path)
@@ -454,8 +455,9 @@ class Builder:
         return {"verispec": self._verispec, "hf": self._hf_runner, "llamacpp": self._llamacpp}[spec.backend](spec)
 
     def _verispec(self, spec: MethodSpec) -> Runner:
+        # The engine and the registry (every drafter) load when a verispec method is built,
+        # not for `verispec bench --compare` or a preset's --help, which import this module.
         from verispec.engine.engine import Engine
-        from verispec.speculative.base import DrafterContext
         from verispec.speculative.registry import draft_model_drafter
 
         config = speculative_config(spec)

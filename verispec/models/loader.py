@@ -48,7 +48,9 @@ from verispec.models.gguf_convert import (
     gguf_hf_config,
     read_gguf_header,
 )
+from verispec import kernels
 from verispec.kernels import KernelError
+from verispec.models.native import float_activations_, is_native, use_gguf_weights_
 from verispec.models.quant import DEFAULT_INT4_GROUP_SIZE, check_scheme, quantize_
 from verispec.models.registry import BUNDLED_MODELS, resolve_model
 from verispec.models.tokenizer import Tokenizer
@@ -207,9 +209,6 @@ def load_model(
     if quantization == "gguf" and gguf_path is None:
         raise ModelLoadError(f"quantization 'gguf' runs a GGUF file's own weights, and {spec!s} is not a GGUF file")
     if gguf_path is not None and (quantization == "gguf" or (quantization == "auto" and dev.type == "cpu")):
-        from verispec import kernels
-        from verispec.models.native import float_activations_, use_gguf_weights_
-
         if quantization == "gguf" or kernels.available():
             try:
                 use_gguf_weights_(loaded.model, gguf_path)
@@ -219,8 +218,6 @@ def load_model(
                 float_activations_(loaded.model)
     quantize_(loaded.model, quantization, group_size)
     if quantization in ("int8", "int4") and isinstance(dtype, str) and dtype.strip().lower() == "auto":
-        from verispec.models.native import float_activations_, is_native
-
         if is_native(loaded.model):  # as for a GGUF model on the kernels
             float_activations_(loaded.model)
     if kv_cache_dtype != "auto":

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from verispec import kernels
 from verispec.kernels import KernelError, PackedWeight
+from verispec.models.gguf_convert import _unpermute_rotary, read_gguf_header
 from verispec.runtime import verispec_home
 
 __all__ = ["NativeLinear", "use_gguf_weights_", "is_native", "float_activations_", "RepackCache",
@@ -384,8 +385,6 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
     where that measures faster, :func:`dense_prefill_pays`). ``cache``: read and write the repacked weights in
     the default cache (True), in a directory (a path), or not at all (False). Raises
     :class:`KernelError` if the kernels are unavailable."""
-    from verispec.models.gguf_convert import _unpermute_rotary, read_gguf_header
-
     if not kernels.available():
         raise KernelError("the native CPU kernels are not available on this machine (see the warning above)")
     if model.device.type != "cpu":

@@ -27,6 +27,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from verispec.runtime import set_threads
+from verispec.server.app import build_app
 from verispec.server.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,9 @@ def build_server_app(config: ServerConfig, *, api_key: str | None, progress: boo
     """Load ``config``'s model (and drafter), build its engine and the app that serves it (the
     engine thread starts with the app). The app requires ``api_key`` (None: no key), whatever
     ``config.api_key`` says: a Ray Serve replica leaves the key to its ingress."""
+    # Looked up when called, not at import: tests patch both on their modules.
     from verispec.engine.engine import Engine
     from verispec.models.loader import load_model
-    from verispec.server.app import build_app
 
     target = load_model(config.model, device=config.device, dtype=config.dtype, progress=progress,
                         quantization=config.quantization, group_size=config.quantization_group_size,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from verispec.config import SpeculativeConfig
+from verispec.models.loader import LoadedModel, load_model
 from verispec.speculative.base import Drafter, DrafterContext
 from verispec.speculative.draft_model import DraftModelDrafter, check_vocab_compatible
 from verispec.speculative.draft_tree import TreeDraftModelDrafter
@@ -23,17 +23,12 @@ from verispec.speculative.medusa import make_medusa_drafter
 from verispec.speculative.ngram import make_ngram_drafter
 from verispec.speculative.suffix import make_suffix_drafter
 
-if TYPE_CHECKING:
-    from verispec.models.loader import LoadedModel
-
 DrafterFactory = Callable[[SpeculativeConfig, DrafterContext], Drafter]
 
 
 def make_draft_model_drafter(config: SpeculativeConfig, context: DrafterContext) -> Drafter:
     if not config.model:
         raise ValueError('method "draft_model" needs "model": a bundled name, HF directory or .gguf path')
-    from verispec.models.loader import load_model  # the loader pulls in transformers: loaded when used
-
     target = context.target
     draft = load_model(config.model, device=target.model.device, dtype=target.model.dtype,
                        quantization=config.quantization)

@@ -11,7 +11,9 @@ of :mod:`verispec.bench.presets.common` (question selection, one timed run).
 
 To add a preset: write its module with a ``main(argv)``, add one line to :data:`PRESETS`, and
 (optionally) a ``bench-NAME`` target in the Makefile that runs ``verispec bench NAME``.
-Modules are imported only when their preset runs, so ``verispec bench --help`` stays fast.
+Modules are imported only when their preset runs, so ``verispec bench --help`` stays fast; most
+presets also import the engine, the models and the servers inside the functions that use
+them, so that ``verispec bench NAME --help`` does not load those either.
 """
 
 from __future__ import annotations

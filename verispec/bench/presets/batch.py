@@ -24,6 +24,7 @@ import torch
 
 from verispec.bench.machine import log, machine_load
 from verispec.bench.presets.common import TARGET, PresetParser, chat_questions, spec_bench_path
+from verispec.config import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,8 +40,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_batch(engine, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
     """Admit every prompt, then time the steps until all finish: (decode tokens, seconds)."""
-    from verispec.config import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     seqs = [engine.add_request(ids, params) for ids in prompts]
     t0 = time.perf_counter()

@@ -24,6 +24,7 @@ from typing import Any
 
 from verispec.bench.report import first_divergence
 from verispec.bench.workloads import SPEC_BENCH_ENV, read_jsonl, spec_bench_path
+from verispec.config import SamplingParams
 
 __all__ = ["DRAFT", "OPTIONS", "TARGET", "PresetParser", "chat_questions", "emit_report", "first_divergence",
            "run_one", "select_questions", "spec_bench_path"]
@@ -162,8 +163,6 @@ def chat_questions(path: Path, n: int) -> list[dict]:
 
 
 def run_one(engine: Any, prompt_ids: list[int], max_tokens: int) -> dict:
-    from verispec.config import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     t0 = time.perf_counter()
     seq = engine.generate(prompt_ids, params)

@@ -50,6 +50,7 @@ from verispec.bench.machine import log, machine_load
 from verispec.bench.methods import hf_generate
 from verispec.bench.presets.common import TARGET, PresetParser
 from verispec.bench.report import first_divergence
+from verispec.config import SamplingParams
 
 DEFAULT_PROMPT = (
     "Write a Python function that returns the n-th Fibonacci number using memoization, "
@@ -82,8 +83,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_ours(engine: Any, prompt_ids: list[int], n: int) -> dict:
-    from verispec.config import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     t0 = time.perf_counter()
     seq = engine.generate(prompt_ids, params)

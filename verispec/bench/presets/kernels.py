@@ -53,6 +53,7 @@ import torch
 
 from verispec import kernels
 from verispec.bench.presets.common import TARGET, PresetParser
+from verispec.config import SamplingParams
 
 ROWS = (1, 2, 4, 8, 9, 16)
 SETTLE = 0.2  # seconds before each timed call of the llama section
@@ -241,7 +242,6 @@ def bench_llama(loaded, gguf_path, threads: int, repeats: int) -> dict | None:
     except ImportError:
         return None
     from verispec.engine.engine import Engine
-    from verispec.config import SamplingParams
 
     model = loaded.model
     prompt = loaded.tokenizer.apply_chat_template("Write a Python function that checks whether a string is a palindrome.")
@@ -321,12 +321,11 @@ def bench_llama(loaded, gguf_path, threads: int, repeats: int) -> dict | None:
 def prefill_path() -> dict:
     """Which path long prompts take here and why: the kernels, or dense bf16 copies where a
     prefill-shaped product measures faster through torch's bf16 GEMM (measured again here)."""
-    from verispec.kernels import cpu_has_native_bf16
     from verispec.models.native import dense_prefill_pays, measure_prefill_paths
 
     dense = dense_prefill_pays()
     out: dict = {"dense_copies": dense}
-    if not cpu_has_native_bf16():
+    if not kernels.cpu_has_native_bf16():
         out["text"] = "the kernels (no native bf16 arithmetic here)"
         return out
     out["kernels_s"], out["bf16_gemm_s"] = measure_prefill_paths()

@@ -29,6 +29,7 @@ import torch
 from verispec.bench.machine import cpu_model, log, machine_load
 from verispec.bench.presets.common import TARGET, PresetParser, chat_questions, emit_report
 from verispec.bench.presets.server import run_level
+from verispec.config import SpeculativeConfig
 
 ENDPOINTS = ("single", "ray-1", "ray-2")
 
@@ -48,7 +49,6 @@ def start_endpoints(args: argparse.Namespace) -> tuple[dict[str, str], object]:
     import ray
     from ray import serve
 
-    from verispec.config import SpeculativeConfig
     from verispec.engine.engine import Engine
     from verispec.models.loader import load_model
     from verispec.server.app import build_app

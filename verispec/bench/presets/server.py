@@ -37,6 +37,7 @@ import torch
 from verispec.bench.goals import judged
 from verispec.bench.machine import log, machine_load
 from verispec.bench.presets.common import DRAFT, TARGET, PresetParser, chat_questions, emit_report
+from verispec.config import SpeculativeConfig
 
 SPECULATIVE_CONFIG = json.dumps({"model": DRAFT, "num_speculative_tokens": 4})
 
@@ -102,7 +103,6 @@ async def run_level(url: str, questions: list[str], concurrency: int, max_tokens
 
 
 def build_servers(args: argparse.Namespace):
-    from verispec.config import SpeculativeConfig
     from verispec.engine.engine import Engine
     from verispec.models.loader import load_model
     from verispec.server.app import build_app

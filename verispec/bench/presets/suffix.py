@@ -33,7 +33,10 @@ import torch
 
 from verispec.bench.machine import log, machine_load
 from verispec.bench.goals import judged
+from verispec.bench.methods import OpenAIRunner, parse_methods
 from verispec.bench.presets.common import TARGET, PresetParser, first_divergence, run_one
+from verispec.config import SamplingParams, SpeculativeConfig
+from verispec.metrics import SpecMetrics
 
 METHODS = ("plain", "ngram", "suffix", "lookahead")
 GROUPS = ("round1", "round2", "repetitive", "coding")
@@ -256,8 +259,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def parse_peers(p: argparse.ArgumentParser, text: str) -> list:
     """``--peers``: openai:URL[@LABEL] methods only, with distinct labels."""
-    from verispec.bench.methods import parse_methods
-
     if not text:
         return []
     try:
@@ -273,8 +274,6 @@ def parse_peers(p: argparse.ArgumentParser, text: str) -> list:
 def run_peer(runner: Any, prompt_ids: list[int], max_tokens: int) -> dict:
     """One request to a peer server, in :func:`run_one`'s form: decode time is the time after the
     first streamed token; the peer reports no acceptance."""
-    from verispec.config import SamplingParams
-
     r = runner.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return {"output_ids": list(r.output_ids), "metrics": None, "total_s": r.total_s, "prefill_s": r.prefill_s,
             "decode_s": r.total_s - r.prefill_s, "decode_tokens": max(len(r.output_ids) - 1, 0),
@@ -282,7 +281,6 @@ def run_peer(runner: Any, prompt_ids: list[int], max_tokens: int) -> dict:
 
 
 def build_engines(args: argparse.Namespace, target: Any, max_model_len: int) -> dict[str, Any]:
-    from verispec.config import SpeculativeConfig
     from verispec.engine.engine import Engine
 
     configs = {
@@ -298,8 +296,6 @@ def build_engines(args: argparse.Namespace, target: Any, max_model_len: int) -> 
 
 
 def aggregate(runs: list[dict], methods: list[str]) -> dict:
-    from verispec.metrics import SpecMetrics
-
     results: dict[str, dict] = {}
     for method in methods:
         results[method] = {}
@@ -379,8 +375,6 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [target.tokenizer.apply_chat_template(text) for _, text in requests]
     max_model_len = max(len(p) for p in prompts) + args.max_tokens + args.k + 8
     engines = build_engines(args, target, max_model_len)
-    from verispec.bench.methods import OpenAIRunner
-
     peers = {spec.label: OpenAIRunner(spec.arg, target.tokenizer) for spec in args.peer_specs}
     methods = args.method_list + list(peers)
 

@@ -38,6 +38,8 @@ import torch
 
 from verispec.bench.machine import log, machine_load
 from verispec.bench.presets.common import DRAFT, TARGET, PresetParser, select_questions
+from verispec.config import SamplingParams, SpeculativeConfig
+from verispec.metrics import SpecMetrics
 
 PLAIN = ("plain", "-")  # the plain engine's key, next to the (drafter, shape) ones
 
@@ -63,7 +65,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_engines(args: argparse.Namespace, target: Any, max_len: int) -> dict[tuple[str, str], Any]:
-    from verispec.config import SpeculativeConfig
     from verispec.engine.engine import Engine
     from verispec.models.loader import load_model
     from verispec.speculative.draft_model import DraftModelDrafter
@@ -92,9 +93,6 @@ def build_engines(args: argparse.Namespace, target: Any, max_len: int) -> dict[t
 
 
 def run(engines: dict, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
-    from verispec.config import SamplingParams
-    from verispec.metrics import SpecMetrics
-
     stats = {(k, t): {"metrics": SpecMetrics(), "tokens": 0, "seconds": 0.0, "outputs": []}
              for k in engines for t in args.temps if k != PLAIN or t == 0}
     for qi, ids in enumerate(prompts):
