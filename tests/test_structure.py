@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent / "verispec"
 
 # Floors, bottom up: a module may import its own floor and those below it, never one above.
 FLOORS = [
-    ("verispec", "verispec.runtime", "verispec.config", "verispec.sampling", "verispec.detokenize",
+    ("verispec", "verispec.runtime", "verispec.files", "verispec.config", "verispec.sampling", "verispec.detokenize",
      "verispec.sequence", "verispec.metrics"),
     ("verispec.kernels",),
     ("verispec.models",),

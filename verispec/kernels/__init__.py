@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from verispec.files import file_lock
 from verispec.runtime import verispec_home
 
 CSRC = Path(__file__).parent / "csrc"
@@ -101,14 +102,19 @@ def native():
     if fresh:
         print("verispec: compiling the native CPU kernels (once, about a minute)...", file=sys.stderr, flush=True)
     try:
-        lib = cpp_extension.load(
-            name="verispec_kernels",
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
+        with file_lock(build / "build.lock"):
+            # torch's own baton ("lock") is a plain file: a build killed part-way leaves it, and
+            # every later load would wait on it forever. This lock is the OS's, released with its
+            # holder, so a baton found while holding it is a dead build's.
+            (build / "lock").unlink(missing_ok=True)
+            lib = cpp_extension.load(
+                name="verispec_kernels",
+                sources=[str(CSRC / s) for s in SOURCES],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                verbose=False,
+            )
     except (OSError, RuntimeError, subprocess.SubprocessError, ImportError) as exc:
         if shutil.which(os.environ.get("CXX", "c++")) is None:
             why = "no C++ compiler was found"

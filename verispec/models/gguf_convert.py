@@ -61,7 +61,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from verispec.models.files import file_lock, fsync_dir
+from verispec.files import file_lock, fsync_dir
 from verispec.models.errors import (
     SUPPORTED_ARCHITECTURES, CorruptGGUFError, ModelFileNotFoundError, ModelLoadError, UnsupportedModelError,
 )

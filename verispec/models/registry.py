@@ -38,7 +38,7 @@ from typing import Any, BinaryIO
 
 from tqdm import tqdm
 
-from verispec.models.files import file_lock, fsync_dir
+from verispec.files import file_lock, fsync_dir
 from verispec.runtime import verispec_home
 
 __all__ = [
