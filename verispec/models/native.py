@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from verispec import kernels
 from verispec.kernels import KernelError, PackedWeight
-from verispec.models.gguf_convert import _unpermute_rotary, read_gguf_header
+from verispec.models.gguf_convert import _unpermute_rotary, ggml_type_name, read_gguf_header
 from verispec.runtime import verispec_home
 
 __all__ = ["NativeLinear", "use_gguf_weights_", "is_native", "float_activations_", "RepackCache",
@@ -299,18 +299,12 @@ def dense_prefill_pays() -> bool:
     each (a fraction of a second). The copies are kept when the GEMM is at least
     ``DENSE_PREFILL_MIN_GAIN`` times as fast."""
 
-    if not kernels.cpu_has_native_bf16() or not kernels.available():
+    if not kernels.available():
         return False
-    env = os.environ.get(DENSE_PREFILL_ENV, "").strip()
-    if env:
-        if env not in ("0", "1"):
-            raise ValueError(f"{DENSE_PREFILL_ENV} must be 0 or 1, got {env!r}")
-        return env == "1"
+    known = dense_prefill_choice()
+    if known is not None:
+        return known
     path = _prefill_choice_path()
-    try:
-        return bool(json.loads(path.read_text())["dense"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
     native_s, dense_s = measure_prefill_paths()
     choice = {"dense": native_s >= DENSE_PREFILL_MIN_GAIN * dense_s, "native_s": native_s, "dense_s": dense_s,
               "rows": _PREFILL_PROBE[0], "threads": torch.get_num_threads()}
@@ -323,6 +317,22 @@ def dense_prefill_pays() -> bool:
         warnings.warn(f"could not keep the prefill measurement in {path} ({exc}); it is taken again "
                       "by the next process", stacklevel=2)
     return choice["dense"]
+
+
+def dense_prefill_choice() -> bool | None:
+    """:func:`dense_prefill_pays`'s answer where it is known without measuring (the CPU, the
+    environment variable or an earlier measurement decide it), else None."""
+    if not kernels.cpu_has_native_bf16():
+        return False
+    env = os.environ.get(DENSE_PREFILL_ENV, "").strip()
+    if env:
+        if env not in ("0", "1"):
+            raise ValueError(f"{DENSE_PREFILL_ENV} must be 0 or 1, got {env!r}")
+        return env == "1"
+    try:
+        return bool(json.loads(_prefill_choice_path().read_text())["dense"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _prefill_choice_path() -> Path:
@@ -399,6 +409,8 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
     if header.architecture == "llama":  # llama.cpp permutes q/k rows for Llama only
         permute = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
 
+    unrun: dict[str, int] = {}  # why a tensor stays dense -> how many
+
     def packed(name: str) -> PackedWeight | None:
         info = infos.get(name)
         if info is None or len(info.shape) != 2:
@@ -406,7 +418,10 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
         n, k = info.shape
         try:
             kernels.check_format(info.ggml_type, n, k)
-        except KernelError:
+        except KernelError as exc:
+            why = (str(exc) if info.ggml_type in kernels.FORMATS.values()
+                   else f"{ggml_type_name(info.ggml_type)} is not run by the kernels")
+            unrun[why] = unrun.get(why, 0) + 1
             return None
         raw = data[info.offset : info.offset + info.nbytes].reshape(n, -1)
         kind = name.split(".")[-2] if name.startswith("blk.") else ""
@@ -450,9 +465,12 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
     if store is not None and not store.loaded:
         store.save()
     if dense:
+        why = ", ".join(f"{reason} ({n})" for reason, n in unrun.items()) or "shapes off the kernels' grid"
         warnings.warn(
             f"{Path(gguf_path).name}: {dense} linear layer(s) hold tensors the native kernels do not run "
-            "and keep their dense weights",
+            f"({why}) and run on dense bf16 weights instead: 2 bytes a weight, several times the file's "
+            "bytes, through a path many times slower per token than the kernels. `verispec models "
+            "inspect FILE` lists what runs where",
             stacklevel=2,
         )
     return dense
