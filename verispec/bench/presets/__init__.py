@@ -51,6 +51,8 @@ PRESETS: dict[str, Preset] = {
                      "plain greedy decoding against transformers on the same GGUF (docs/benchmarks/decode.md)"),
     "quant": Preset("verispec.bench.presets.quant:main",
                     "packed weights' decode speed and verify cost, llama.cpp beside (docs/benchmarks/quant.md)"),
+    "gguf": Preset("verispec.bench.presets.gguf:main",
+                   "any GGUF file against llama.cpp: decode speed, exactness, memory, disk, load times"),
     "quant-accuracy": Preset("verispec.bench.presets.quant_accuracy:main",
                              "int8/int4 agreement with the bf16 model (docs/benchmarks/quant.md)"),
 }
