@@ -68,15 +68,15 @@ def test_every_linear_layer_on_the_kernels(tmp_path: Path) -> None:
     assert r.dense_layers == 0
     q8 = next(t for t in r.types if t.type_name == "Q8_0")
     assert q8.tensors == 1 + 7 * LAYERS
-    assert q8.routes == {"embedding table and LM head": 1, "native kernels": 7 * LAYERS}
+    assert q8.routes == {"embedding table (read from the file) and LM head": 1, "native kernels": 7 * LAYERS}
     f32 = next(t for t in r.types if t.type_name == "F32")
     assert f32.tensors == 1 + 2 * LAYERS and f32.params == HIDDEN * (1 + 2 * LAYERS)
-    # memory: the layers' blocks, the tied head's blocks, float32 embedding rows and vectors
+    # memory: the layers' blocks, the tied head's blocks, float32 vectors (the table stays in the file)
     head_dim = HIDDEN // HEADS
     layer_bytes = sum(_q8_bytes(n, k) for n, k in [(HIDDEN, HIDDEN), (KV_HEADS * head_dim, HIDDEN),
                                                    (KV_HEADS * head_dim, HIDDEN), (HIDDEN, HIDDEN),
                                                    (FF, HIDDEN), (FF, HIDDEN), (HIDDEN, FF)])
-    expected = LAYERS * layer_bytes + _q8_bytes(VOCAB, HIDDEN) + 4 * VOCAB * HIDDEN + 4 * f32.params
+    expected = LAYERS * layer_bytes + _q8_bytes(VOCAB, HIDDEN) + 4 * f32.params
     assert r.weights_bytes == expected
     assert r.kv_bytes_per_token == 2 * LAYERS * KV_HEADS * head_dim * 2
     text = format_inspection(r, context=100)
@@ -89,10 +89,10 @@ def test_a_type_the_kernels_do_not_run_is_named_with_its_cost(tmp_path: Path) ->
     assert r.dense_layers == LAYERS
     assert r.dense_reasons == {f"{UNRUN.name} is not run by the kernels": LAYERS}
     row = next(t for t in r.types if t.type_name == UNRUN.name)
-    assert row.routes == {"dense bf16 (fallback)": LAYERS}
+    assert row.routes == {"dense float32 (fallback)": LAYERS}
     text = format_inspection(r)
     assert f"{LAYERS} linear tensor(s) run dense: {UNRUN.name} is not run by the kernels" in text
-    assert "2 bytes a weight" in text
+    assert "4 bytes a weight" in text
 
 
 def test_an_architecture_verispec_does_not_run_says_why(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from verispec import kernels
 from verispec.models import gguf_convert, loader
 from verispec.models.decoder import UnsupportedModelError
 from verispec.models.loader import (
@@ -43,6 +44,7 @@ from verispec.models.loader import (
     ModelLoadError,
     converted_dir,
     load_model,
+    metadata_dir,
     read_gguf_header,
 )
 from verispec.models.registry import bundled_path, is_fetched
@@ -211,8 +213,10 @@ GGUF_TOKENS = GGUF_SPECIALS + sorted(ByteLevel.alphabet()) + ["he", "ll", "hell"
 
 
 def _write_gguf(path: Path, arch: str = "llama", tie: bool = False, layers: int = 2, seed: int = 0,
-                rope_scaling: tuple[str, float] | None = None) -> Path:  # fmt: skip
-    """A tiny GGUF as llama.cpp would write it: byte-level BPE vocabulary, ChatML template."""
+                rope_scaling: tuple[str, float] | None = None, q8: bool = False) -> Path:  # fmt: skip
+    """A tiny GGUF as llama.cpp would write it: byte-level BPE vocabulary, ChatML template.
+    ``q8``: every matrix in Q8_0 (the kernels run all the layers; the vocabulary of 263 rows is
+    off the kernels' grid, so an untied head stays dense)."""
     hidden, heads, kv_heads, ff = 32, 4, 2, 64
     head_dim = hidden // heads
     writer = GGUFWriter(str(path), arch)
@@ -245,25 +249,31 @@ def _write_gguf(path: Path, arch: str = "llama", tie: bool = False, layers: int 
         values = torch.from_numpy(offset + scale * rng.standard_normal(shape).astype(np.float32))
         return values.to(torch.bfloat16).float().numpy()
 
+    def matrix(name: str, values: np.ndarray) -> None:
+        if q8:
+            writer.add_tensor(name, gguf.quantize(values, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, values)
+
     vocab = len(GGUF_TOKENS)
-    writer.add_tensor("token_embd.weight", rand(vocab, hidden))
+    matrix("token_embd.weight", rand(vocab, hidden))
     if not tie:
-        writer.add_tensor("output.weight", rand(vocab, hidden))
+        matrix("output.weight", rand(vocab, hidden))
     writer.add_tensor("output_norm.weight", rand(hidden, scale=0.1, offset=1.0))
     for i in range(layers):
         p = f"blk.{i}."
         writer.add_tensor(p + "attn_norm.weight", rand(hidden, scale=0.1, offset=1.0))
         writer.add_tensor(p + "ffn_norm.weight", rand(hidden, scale=0.1, offset=1.0))
-        writer.add_tensor(p + "attn_q.weight", rand(heads * head_dim, hidden))
-        writer.add_tensor(p + "attn_k.weight", rand(kv_heads * head_dim, hidden))
-        writer.add_tensor(p + "attn_v.weight", rand(kv_heads * head_dim, hidden))
+        for kind, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim),
+                           ("attn_v", kv_heads * head_dim)):
+            matrix(p + kind + ".weight", rand(rows, hidden))
         if arch == "qwen2":
             writer.add_tensor(p + "attn_q.bias", rand(heads * head_dim))
             writer.add_tensor(p + "attn_k.bias", rand(kv_heads * head_dim))
             writer.add_tensor(p + "attn_v.bias", rand(kv_heads * head_dim))
-        writer.add_tensor(p + "attn_output.weight", rand(hidden, heads * head_dim))
-        writer.add_tensor(p + "ffn_gate.weight", rand(ff, hidden))
-        writer.add_tensor(p + "ffn_up.weight", rand(ff, hidden))
+        matrix(p + "attn_output.weight", rand(hidden, heads * head_dim))
+        matrix(p + "ffn_gate.weight", rand(ff, hidden))
+        matrix(p + "ffn_up.weight", rand(ff, hidden))
         quantized = gguf.quantize(rand(hidden, ff), GGMLQuantizationType.Q8_0)
         writer.add_tensor(p + "ffn_down.weight", quantized, raw_dtype=GGMLQuantizationType.Q8_0)
     writer.write_header_to_file()
@@ -284,32 +294,40 @@ def _transformers_gguf_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
 
 
-@pytest.mark.parametrize(("arch", "tie"), [("llama", False), ("llama", True), ("qwen2", False)])
-def test_gguf_conversion(tmp_path: Path, arch: str, tie: bool) -> None:
-    from safetensors.torch import load_file
+def _dense_weight(module: torch.nn.Module) -> torch.Tensor:
+    return module.weight.detach()
 
+
+@pytest.mark.parametrize(("arch", "tie"), [("llama", False), ("llama", True), ("qwen2", False)])
+def test_gguf_loads_from_the_file(tmp_path: Path, arch: str, tie: bool) -> None:
     path = _write_gguf(tmp_path / f"tiny-{arch}.gguf", arch, tie)
-    # the dense decoder on the converted weights, which transformers runs too
+    # the dense float32 decoder, every tensor dequantized straight from the file
     loaded = load_model(path, dtype="float32", quantization="none", progress=False)
     home = Path(os.environ["VERISPEC_HOME"])
-    assert loaded.source == converted_dir(path)
-    assert loaded.source.parent == home / "converted"
-    assert re.fullmatch(rf"tiny-{arch}-[0-9a-f]{{12}}", loaded.source.name)
-    assert loaded.name == f"tiny-{arch}"
+    assert loaded.source == path and loaded.name == f"tiny-{arch}"
+    assert not (home / "converted").exists()  # no checkpoint is written
+    meta = metadata_dir(path)
+    assert meta.parent == home / "gguf" and re.fullmatch(rf"tiny-{arch}-[0-9a-f]{{12}}", meta.name)
+    assert not list(meta.glob("*.safetensors"))
     assert loaded.hf_config["architectures"] == [loader.GGUF_ARCHITECTURES[arch]]
     assert loaded.hf_config["tie_word_embeddings"] is tie
     assert loaded.model.config.qkv_bias is (arch == "qwen2")
 
-    # Weights: transformers' GGUF reading, rounded to the bfloat16 storage, exactly.
-    stored = load_file(loaded.source / "model.safetensors")
+    # Weights: transformers' own GGUF reading, exactly (float32, the rotary interleave undone).
     reference = _transformers_gguf_tensors(path)
-    assert set(stored) == set(reference)
-    for name, value in reference.items():
-        expected = value.to(torch.bfloat16) if value.dim() >= 2 else value.float()
-        assert torch.equal(stored[name], expected), name
+    model = loaded.model
+    assert torch.equal(model.embed.weight, reference["model.embed_tokens.weight"])
+    if not tie:
+        assert torch.equal(model.lm_head.weight, reference["lm_head.weight"])
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        qkv = torch.cat([reference[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"])
+        assert torch.equal(_dense_weight(layer.qkv), qkv)
+        assert torch.equal(_dense_weight(layer.down), reference[p + "mlp.down_proj.weight"])
+        assert torch.equal(layer.input_norm.weight, reference[p + "input_layernorm.weight"])
 
-    # Forward pass: the native decoder vs transformers on the converted directory.
-    hf = AutoModelForCausalLM.from_pretrained(loaded.source, dtype=torch.float32, local_files_only=True).eval()
+    # Forward pass: the decoder against transformers loading the same GGUF.
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     ids = [1, 40, 70, 261, 262, 2, 100, 5]
     diff = (_native_logits(loaded, ids) - _hf_logits(hf, ids)).abs().max().item()
     assert diff < FP32_ATOL, f"max logit difference {diff:.3g}"
@@ -318,24 +336,46 @@ def test_gguf_conversion(tmp_path: Path, arch: str, tie: bool) -> None:
     tok = loaded.tokenizer
     assert tok.vocab_size == len(GGUF_TOKENS)
     assert tok.eos_token_ids == frozenset({0, 2})  # <|endoftext|> and <|im_end|>
-    assert json.loads((loaded.source / "generation_config.json").read_text())["eos_token_id"] == [0, 2]
+    assert json.loads((meta / "generation_config.json").read_text())["eos_token_id"] == [0, 2]
     assert tok.render_chat("hello") == "<|im_start|>user hello<|im_end|> <|im_start|>assistant "
     assert tok.decode(tok.encode("hello world")) == "hello world"
 
 
-def test_gguf_conversion_is_cached_and_refreshed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gguf_conversion_for_transformers(tmp_path: Path) -> None:
+    """The converted checkpoint transformers' baselines in ``verispec bench`` load: transformers'
+    GGUF reading rounded to bfloat16 storage, exactly, with the same tokenizer."""
+    from safetensors.torch import load_file
+
+    path = _write_gguf(tmp_path / "tiny-llama.gguf", "llama")
+    directory = gguf_convert.convert_gguf(path, progress=False)
+    assert directory == converted_dir(path) and directory.parent == Path(os.environ["VERISPEC_HOME"]) / "converted"
+    stored = load_file(directory / "model.safetensors")
+    reference = _transformers_gguf_tensors(path)
+    assert set(stored) == set(reference)
+    for name, value in reference.items():
+        expected = value.to(torch.bfloat16) if value.dim() >= 2 else value.float()
+        assert torch.equal(stored[name], expected), name
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, local_files_only=True).eval()
+    loaded = load_model(directory, dtype="float32", progress=False)
+    diff = (_native_logits(loaded, IDS) - _hf_logits(hf, IDS)).abs().max().item()
+    assert diff < FP32_ATOL, f"max logit difference {diff:.3g}"
+
+
+def test_gguf_metadata_is_cached_and_refreshed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _write_gguf(tmp_path / "tiny.gguf")
-    first = load_model(path, dtype="float32", progress=False).source
+    load_model(path, dtype="float32", progress=False)
+    first = metadata_dir(path)
     calls: list[Path] = []
     real = gguf_convert._convert_into
     monkeypatch.setattr(gguf_convert, "_convert_into", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
-    again = load_model(path, dtype="float32", progress=False)
-    assert again.source == first and calls == []  # straight from the cache
+    load_model(path, dtype="float32", progress=False)
+    assert calls == []  # straight from the cache
 
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))  # "a new file"
-    refreshed = load_model(path, dtype="float32", progress=False).source
+    load_model(path, dtype="float32", progress=False)
+    refreshed = metadata_dir(path)
     assert refreshed != first and len(calls) == 1
-    assert not first.exists()  # the stale conversion of the same path was removed
+    assert not first.exists()  # the stale entry of the same path was removed
     assert sorted(p.name for p in refreshed.parent.iterdir() if p.is_dir()) == [refreshed.name]
 
 
@@ -347,23 +387,75 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pyt
 
     monkeypatch.setattr(gguf_convert, "_write_weights", boom)
     with pytest.raises(KeyboardInterrupt):
-        load_model(path, progress=False)
+        gguf_convert.convert_gguf(path, progress=False)
     root = converted_dir(path).parent
     assert [p.name for p in root.iterdir() if p.is_dir()] == []
     monkeypatch.undo()
     monkeypatch.setenv("VERISPEC_HOME", str(root.parent))
-    assert load_model(path, dtype="float32", progress=False).source == converted_dir(path)
+    assert gguf_convert.convert_gguf(path, progress=False) == converted_dir(path)
 
 
 def test_gguf_conversion_in_several_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = _write_gguf(tmp_path / "tiny.gguf", "qwen2")
-    single = load_model(path, dtype="float32", progress=False)
+    single = load_model(gguf_convert.convert_gguf(path, progress=False), dtype="float32", progress=False)
     monkeypatch.setattr(gguf_convert, "CONVERSION_VERSION", gguf_convert.CONVERSION_VERSION + 1000)  # new cache key
     monkeypatch.setattr(gguf_convert, "_SHARD_BYTES", 20_000)
-    sharded = load_model(path, dtype="float32", progress=False)
+    sharded = load_model(gguf_convert.convert_gguf(path, progress=False), dtype="float32", progress=False)
     assert (sharded.source / "model.safetensors.index.json").is_file()
     assert len(list(sharded.source.glob("model-*-of-*.safetensors"))) > 1
     assert torch.equal(_native_logits(single, IDS), _native_logits(sharded, IDS))
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the native kernels")
+def test_gguf_native_load_builds_from_the_blocks(tmp_path: Path) -> None:
+    """The default load on the CPU: linear layers on the file's blocks from the start, the
+    embedding table left in the file's blocks, everything else dequantized; no checkpoint."""
+    from verispec.models.native import GGUFEmbedding, NativeLinear
+
+    path = _write_gguf(tmp_path / "tiny.gguf", "qwen2", q8=True)
+    with pytest.warns(UserWarning, match=r"1 linear layer\(s\).*\[263, 32\] cannot be run"):
+        native = load_model(path, progress=False)
+    dense = load_model(path, dtype="float32", quantization="none", progress=False)
+    model = native.model
+    assert isinstance(model.embed, GGUFEmbedding) and model.dtype == torch.float32
+    assert all(isinstance(getattr(layer, attr), NativeLinear) for layer in model.layers
+               for attr in ("qkv", "o_proj", "gate_up", "down"))
+    assert isinstance(model.lm_head, torch.nn.Linear)  # 263 rows: off the grid, dense
+    assert not (Path(os.environ["VERISPEC_HOME"]) / "converted").exists()
+    # the table's rows are the file's values, exactly, read row by row
+    ids = torch.tensor([[0, 5, 262], [7, 7, 1]])
+    assert torch.equal(model.embed(ids), dense.model.embed(ids))
+    assert torch.equal(model.embed.weight, dense.model.embed.weight)
+    with pytest.raises(IndexError, match="out of range"):
+        model.embed(torch.tensor([[263]]))
+    # biases and the layers' weights: the kernels multiply by the file's own values
+    for layer, ref in zip(model.layers, dense.model.layers):
+        assert torch.equal(layer.qkv.bias, ref.qkv.bias)
+        assert torch.equal(layer.qkv.dequantize(), ref.qkv.weight)
+    # logits agree with the dense float32 model up to the activations' 8-bit quantization (and
+    # the dense head's bf16 weights)
+    ours, ref = _native_logits(native, IDS), _native_logits(dense, IDS)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_decoder_built_around_finished_layers() -> None:
+    """``Decoder.empty(build=...)``: layers put in while weightless are kept as they are; only the
+    rest is allocated."""
+    from verispec.models.decoder import Decoder, DecoderConfig
+
+    config = DecoderConfig("LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=8)
+    ready = torch.nn.Linear(32, 32, bias=False)
+
+    def build(model: Decoder) -> None:
+        assert model.layers[0].qkv.weight.is_meta
+        model.layers[1].o_proj = ready
+
+    model = Decoder.empty(config, dtype=torch.float32, device="cpu", build=build)
+    assert model.layers[1].o_proj is ready
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    assert model.dtype == torch.float32 and model.device.type == "cpu"
 
 
 def test_gguf_linear_rope_scaling(tmp_path: Path) -> None:
@@ -475,7 +567,7 @@ def test_unsupported_gguf_architecture_fails_before_conversion(tmp_path: Path) -
     writer.close()
     with pytest.raises(UnsupportedModelError, match=r"unsupported GGUF architecture 'gpt2'.*llama, qwen2"):
         load_model(path, progress=False)
-    assert not converted_dir(path).parent.exists()  # nothing was converted
+    assert not converted_dir(path).parent.exists() and not metadata_dir(path).parent.exists()  # nothing was read
 
 
 # Resolved at import, before the autouse fixture points VERISPEC_HOME at a temporary directory.

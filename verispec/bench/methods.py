@@ -416,11 +416,12 @@ class OpenAIRunner:
 # ---------------------------------------------------------------------------------------------
 
 
-def hf_directory(model: str) -> Path:
-    """The Hugging Face directory verispec loads ``model`` from (a GGUF's converted cache)."""
-    from verispec.models.loader import convert_gguf  # the loader: only for hf:assisted's draft
+def hf_directory(model: str | Path) -> Path:
+    """A Hugging Face directory transformers loads ``model`` from: the model's own, or a GGUF's
+    converted checkpoint (made once, for transformers' baselines)."""
+    from verispec.models.loader import convert_gguf  # the loader: only for transformers' baselines
 
-    path = resolve_model(model)
+    path = resolve_model(str(model))
     return path if path.is_dir() else convert_gguf(path)
 
 
@@ -478,7 +479,7 @@ class Builder:
         return self._hf[name]
 
     def _hf_runner(self, spec: MethodSpec) -> Runner:
-        target = self._hf_model("", self.target.source)
+        target = self._hf_model("", hf_directory(self.target.source))
         assistant = self._hf_model(spec.arg, hf_directory(spec.arg)) if spec.arg else None
         return HFRunner(target, self.target.tokenizer.eos_token_ids, hf_generation_options(spec), assistant)
 

@@ -468,21 +468,35 @@ class Decoder(nn.Module):
         self.requires_grad_(False)
 
     @classmethod
-    def empty(cls, config: DecoderConfig, *, dtype: torch.dtype, device: torch.device | str) -> Decoder:
-        """Allocate without initialising (weights come from :meth:`load_hf_weights`)."""
+    def empty(cls, config: DecoderConfig, *, dtype: torch.dtype, device: torch.device | str,
+              build: Callable[[Decoder], object] | None = None) -> Decoder:
+        """Allocate without initialising (weights come from :meth:`load_hf_weights`).
+
+        ``build(model)``, if given, runs first on the weightless model (every tensor on the meta
+        device) and may put finished layers in: a GGUF file's native layers, made from its
+        blocks (:func:`verispec.models.native.install_gguf_layers_`). Only what is still
+        weightless is then allocated, so the dense weights of those layers never exist."""
         with torch.device("meta"):
             model = cls(config).to(dtype)
-        model = model.to_empty(device=device)
+        if build is not None:
+            build(model)
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is not None and p.is_meta:
+                    module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
+            for name, b in module._buffers.items():
+                if b is not None and b.is_meta:
+                    module._buffers[name] = torch.empty_like(b, device=device)
         model.inv_freq = rope_inv_freq(config).to(device)
         return model
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     def rows_are_pass_invariant(self) -> bool:
         """Whether each row of a pass other than a long prompt's prefill depends only on its token,
@@ -657,19 +671,27 @@ class Decoder(nn.Module):
                 row += part.shape[0]
 
         with torch.no_grad():
-            put(self.embed.weight, "model.embed_tokens.weight")
+            if isinstance(self.embed, nn.Embedding):  # else the file's own table (GGUFEmbedding)
+                put(self.embed.weight, "model.embed_tokens.weight")
             put(self.norm.weight, "model.norm.weight")
-            if self.lm_head is not None:
+            # layers built finished (native layers on a GGUF's blocks, Decoder.empty's build)
+            # hold their weights already
+            dense = lambda m: isinstance(m, nn.Linear)  # noqa: E731
+            if dense(self.lm_head):
                 put(self.lm_head.weight, "lm_head.weight")
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 attn = [p + f"self_attn.{n}_proj" for n in "qkv"]
-                put(layer.qkv.weight, *(n + ".weight" for n in attn))
-                if layer.qkv.bias is not None:
-                    put(layer.qkv.bias, *(n + ".bias" for n in attn))
-                put(layer.o_proj.weight, p + "self_attn.o_proj.weight")
-                put(layer.gate_up.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-                put(layer.down.weight, p + "mlp.down_proj.weight")
+                if dense(layer.qkv):
+                    put(layer.qkv.weight, *(n + ".weight" for n in attn))
+                    if layer.qkv.bias is not None:
+                        put(layer.qkv.bias, *(n + ".bias" for n in attn))
+                if dense(layer.o_proj):
+                    put(layer.o_proj.weight, p + "self_attn.o_proj.weight")
+                if dense(layer.gate_up):
+                    put(layer.gate_up.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+                if dense(layer.down):
+                    put(layer.down.weight, p + "mlp.down_proj.weight")
                 put(layer.input_norm.weight, p + "input_layernorm.weight")
                 put(layer.post_attn_norm.weight, p + "post_attention_layernorm.weight")
         if missing:

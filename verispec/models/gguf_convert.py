@@ -1,10 +1,14 @@
-"""Convert a GGUF file into a cached Hugging Face model directory.
+"""Read a GGUF file: its header, its model description, its tensors under Hugging Face names.
 
-A GGUF file is converted once into a Hugging Face directory under
-``verispec_home()/converted/<stem>-<fingerprint>/`` (:func:`converted_dir`), which
-:func:`verispec.models.loader.load_hf_dir` then loads. The fingerprint hashes the file's size,
-modification time and absolute path (plus :data:`CONVERSION_VERSION`), so a changed file gets a
-fresh conversion without hashing gigabytes.
+:func:`gguf_metadata` reads a file's configuration and tokenizer once into a small cache
+directory, ``verispec_home()/gguf/<stem>-<fingerprint>/`` (:func:`metadata_dir`), and
+:class:`GGUFTensors` hands out its tensors, dequantized from the memory-mapped file on each
+read; :func:`verispec.models.loader.load_gguf` builds the model from those, with no checkpoint
+in between. :func:`convert_gguf` writes a whole Hugging Face checkpoint
+(``verispec_home()/converted/``, :func:`converted_dir`), which only transformers' baselines in
+``verispec bench`` load. The fingerprint hashes the file's size, modification time and absolute
+path (plus :data:`CONVERSION_VERSION`), so a changed file gets a fresh entry without hashing
+gigabytes.
 
 The header is parsed by a small reader in this module. It is cheap (well under a second even
 with a 150k-token vocabulary, which ``gguf.GGUFReader`` takes many seconds to read), checks that every tensor
@@ -16,22 +20,19 @@ interleave is undone. The tokenizer is transformers' own GGUF tokenizer
 (``AutoTokenizer.from_pretrained(..., gguf_file=...)``) with the chat template from the
 metadata; it is the slow step (transformers parses the whole vocabulary twice).
 
-Storage precision: matrices are stored in bfloat16 and vectors (norm weights, biases, which
-GGUF keeps in float32) in float32. Dequantized Q4/Q5/Q6/Q8 values are not exactly
-representable in bfloat16, so the converted model differs from the GGUF by bfloat16 rounding
-of each weight (relative error <= 2^-8, far below the quantization error itself; on
-SmolLM2-135M Q4_1 it moves float32 logits by at most ~0.3). bfloat16 is also verispec's default
-compute dtype on CPU, which rounds the same way, so nothing is lost there; a float32 load
-computes exactly with the rounded weights, and ``transformers`` loading the converted directory
-sees the very same weights.
+Precision. :class:`GGUFTensors` gives each tensor's float32 dequantization exactly (what
+transformers' own GGUF reader gives); a model loaded in bfloat16 rounds it once, as it is
+copied in. A converted checkpoint stores matrices in bfloat16 and vectors (norm weights,
+biases) in float32, so transformers' baselines run the file's weights rounded to bfloat16
+(relative error <= 2^-8, far below the quantization error itself).
 
-Not converted (clear errors instead): architectures other than llama/qwen2, mixture-of-experts
+Not read (clear errors instead): architectures other than llama/qwen2, mixture-of-experts
 models, split GGUF files, RoPE scaling other than linear and per-dimension ``rope_freqs``
 factors (Llama 3.1+).
 
-The conversion is written into a temporary directory next to the cache entry and moved into
-place with one :func:`os.replace`, under a per-entry file lock, so an interrupted conversion
-never leaves a half-written cache and two processes never convert the same file twice.
+Both caches are written into a temporary directory next to the entry and moved into place with
+one :func:`os.replace`, under a per-entry file lock, so an interrupted build never leaves a
+half-written cache and two processes never build the same entry twice.
 
 Errors are :class:`~verispec.models.errors.ModelLoadError` and its subclasses
 (:class:`~verispec.models.errors.CorruptGGUFError` for an unreadable file); an architecture
@@ -51,7 +52,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -93,6 +94,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwe
 _SHARD_BYTES = 2 * 1024**3  # converted weights are written in shards of at most this size
 _INDEX_FILE = "model.safetensors.index.json"
 _SOURCE_FILE = "verispec_source.json"  # records which GGUF a converted directory came from
+TENSOR_MAP_FILE = "gguf_tensors.json"  # GGUF tensor name -> [Hugging Face name, shape]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,6 +289,14 @@ def _quant_size(ggml_type: int) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _cache_key(path: Path, kind: str) -> str:
+    st = path.stat()
+    key = f"v{CONVERSION_VERSION}\0{st.st_size}\0{st.st_mtime_ns}\0{path}"
+    if kind != "converted":
+        key = f"{kind}\0{key}"
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+
+
 def converted_dir(gguf_path: str | Path) -> Path:
     """The cache directory a GGUF file converts into (it may not exist yet).
 
@@ -294,10 +304,14 @@ def converted_dir(gguf_path: str | Path) -> Path:
     format version, the file's size, modification time (ns) and absolute path.
     """
     path = Path(gguf_path).expanduser().resolve()
-    st = path.stat()
-    key = f"v{CONVERSION_VERSION}\0{st.st_size}\0{st.st_mtime_ns}\0{path}"
-    digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
-    return verispec_home() / "converted" / f"{path.stem}-{digest[:12]}"
+    return verispec_home() / "converted" / f"{path.stem}-{_cache_key(path, 'converted')}"
+
+
+def metadata_dir(gguf_path: str | Path) -> Path:
+    """The cache directory of a GGUF file's metadata (:func:`gguf_metadata`; it may not exist yet):
+    ``verispec_home()/gguf/<stem>-<12 hex>``, keyed as :func:`converted_dir`."""
+    path = Path(gguf_path).expanduser().resolve()
+    return verispec_home() / "gguf" / f"{path.stem}-{_cache_key(path, 'gguf')}"
 
 
 def _say(progress: bool, message: str) -> None:
@@ -306,11 +320,29 @@ def _say(progress: bool, message: str) -> None:
 
 
 def convert_gguf(gguf_path: str | Path, *, progress: bool = True) -> Path:
-    """Convert a GGUF file into a cached Hugging Face directory (once) and return that directory."""
+    """Convert a GGUF file into a cached Hugging Face directory (once) and return that directory.
+
+    The model loader reads GGUF files directly (:mod:`verispec.models.gguf_load`); a converted
+    directory is what transformers' baselines in ``verispec bench`` load."""
+    return _cached(gguf_path, converted_dir, weights=True, progress=progress)
+
+
+def gguf_metadata(gguf_path: str | Path, *, progress: bool = True) -> Path:
+    """A GGUF file's model description as a small cached directory, made once per file:
+    ``config.json``, ``generation_config.json``, the tokenizer's files (transformers' GGUF
+    tokenizer, the slow part of reading a GGUF) and ``gguf_tensors.json`` (each GGUF tensor's
+    Hugging Face name and shape). No weights: :mod:`verispec.models.gguf_load` reads those from
+    the file."""
+    return _cached(gguf_path, metadata_dir, weights=False, progress=progress)
+
+
+def _cached(gguf_path: str | Path, where: Callable[[Path], Path], *, weights: bool, progress: bool) -> Path:
+    """Build the cache directory ``where(path)`` once (under a per-entry lock, written into a
+    temporary directory and moved into place whole) and return it."""
     path = Path(gguf_path).expanduser().resolve()
     if not path.is_file():
         raise ModelFileNotFoundError(f"no such file: {gguf_path}")
-    final = converted_dir(path)
+    final = where(path)
     if (final / "config.json").is_file():
         return final
     header = read_gguf_header(path)  # fails fast on corrupt files and unsupported models
@@ -318,22 +350,25 @@ def convert_gguf(gguf_path: str | Path, *, progress: bool = True) -> Path:
     root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     with file_lock(root / f"{final.name}.lock"):
-        if (final / "config.json").is_file():  # converted by another process while we waited
+        if (final / "config.json").is_file():  # made by another process while we waited
             return final
         partial_prefix = f".{final.name}.partial-"
-        for stale in root.glob(f"{partial_prefix}*"):  # left by an interrupted conversion
+        for stale in root.glob(f"{partial_prefix}*"):  # left by an interrupted build
             shutil.rmtree(stale, ignore_errors=True)
-        if final.exists():  # not a complete conversion (no config.json): start over
+        if final.exists():  # not complete (no config.json): start over
             shutil.rmtree(final)
         tmp = Path(tempfile.mkdtemp(prefix=partial_prefix, dir=root))
         try:
             start = time.perf_counter()
-            _say(progress, f"converting {path.name} to a Hugging Face checkpoint (one-time) in {final}")
-            _convert_into(header, rope_scaling, tmp, progress)
+            if weights:
+                _say(progress, f"converting {path.name} to a Hugging Face checkpoint (one-time) in {final}")
+            else:
+                _say(progress, f"reading {path.name}'s tokenizer and configuration (one-time)")
+            _convert_into(header, rope_scaling, tmp, progress, weights=weights)
             seconds = time.perf_counter() - start
             st = path.stat()
-            if converted_dir(path) != final:
-                raise ModelLoadError(f"{path} changed while it was being converted; load it again")
+            if where(path) != final:
+                raise ModelLoadError(f"{path} changed while it was being read; load it again")
             (tmp / _SOURCE_FILE).write_text(json.dumps({
                 "gguf_path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                 "conversion_version": CONVERSION_VERSION, "seconds": round(seconds, 1),
@@ -345,7 +380,8 @@ def convert_gguf(gguf_path: str | Path, *, progress: bool = True) -> Path:
             raise
         fsync_dir(root)
         _remove_older_conversions(root, final, path)
-    _say(progress, f"converted {path.name} in {seconds:.1f} s")
+    if weights:
+        _say(progress, f"converted {path.name} in {seconds:.1f} s")
     return final
 
 
@@ -446,8 +482,10 @@ def gguf_hf_config(header: GGUFHeader, rope_scaling: dict[str, Any] | None = Non
     return cfg
 
 
-def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: Path, progress: bool) -> None:
-    """Write config, generation config, tokenizer and safetensors weights of a GGUF into ``out``."""
+def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: Path, progress: bool,
+                  weights: bool = True) -> None:
+    """Write config, generation config, tokenizer and the tensor map of a GGUF into ``out``, and
+    with ``weights`` its dequantized tensors as safetensors shards."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     cfg = gguf_hf_config(header, rope_scaling)
@@ -472,7 +510,10 @@ def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: 
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     name_map = _gguf_to_hf_names(header, expected)
-    _write_weights(header, cfg, name_map, expected, out, progress)
+    tensor_map = {g: [h, list(expected[h])] for g, h in name_map.items() if g in {t.name for t in header.tensors}}
+    (out / TENSOR_MAP_FILE).write_text(json.dumps(tensor_map, indent=1) + "\n", encoding="utf-8")
+    if weights:
+        _write_weights(header, cfg, name_map, expected, out, progress)
 
 
 def _gguf_tokenizer(header: GGUFHeader) -> PreTrainedTokenizerBase:
@@ -544,6 +585,70 @@ def _unpermute_rotary(weights: np.ndarray, n_head: int) -> np.ndarray:
     return weights.reshape(n_head, rows // n_head // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
+def rotary_permutation(header: GGUFHeader, cfg: Mapping[str, Any]) -> dict[str, int]:
+    """The GGUF tensor kinds whose rows llama.cpp interleaved per head, with their head counts
+    (Llama's q and k only; :func:`_unpermute_rotary` undoes it)."""
+    if header.architecture != "llama":
+        return {}
+    return {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+
+
+def hf_array(header: GGUFHeader, info: GGUFTensorInfo, data: np.ndarray, permute_heads: Mapping[str, int]) -> np.ndarray:
+    """One tensor as transformers holds it: dequantized to float32 (an own, contiguous array, not
+    a view of the file), with llama.cpp's rotary row interleave undone where it applies."""
+    array = _dequantize(data, info, header.path)
+    kind = info.name.split(".")[-2] if info.name.count(".") >= 2 else ""
+    if kind in permute_heads:
+        array = _unpermute_rotary(array, permute_heads[kind])
+    if array.dtype != np.float32 or not array.flags.c_contiguous or not array.flags.writeable:
+        array = np.array(array, dtype=np.float32)
+    return array
+
+
+class GGUFTensors(Mapping[str, Tensor]):
+    """A GGUF file's tensors under their Hugging Face names, each dequantized from the file when
+    it is read (:func:`hf_array`) and never kept: what :meth:`Decoder.load_hf_weights` copies
+    from, with no checkpoint in between. ``metadata`` is the file's :func:`gguf_metadata`
+    directory, whose ``gguf_tensors.json`` names and shapes each tensor."""
+
+    def __init__(self, header: GGUFHeader, metadata: Path) -> None:
+        self.header = header
+        table = json.loads((metadata / TENSOR_MAP_FILE).read_text(encoding="utf-8"))
+        config = json.loads((metadata / "config.json").read_text(encoding="utf-8"))
+        infos = {t.name: t for t in header.tensors}
+        self._by_hf = {hf: (infos[g], tuple(shape)) for g, (hf, shape) in table.items() if g in infos}
+        self._permute = rotary_permutation(header, config)
+        self._data: np.ndarray | None = None
+
+    def info(self, hf_name: str) -> GGUFTensorInfo | None:
+        """The GGUF tensor behind a Hugging Face name (None if the file has none)."""
+        entry = self._by_hf.get(hf_name)
+        return None if entry is None else entry[0]
+
+    def data(self) -> np.ndarray:
+        """The file, memory-mapped (read-only, opened once)."""
+        if self._data is None:
+            self._data = np.memmap(self.header.path, dtype=np.uint8, mode="r")
+        return self._data
+
+    def __getitem__(self, hf_name: str) -> Tensor:
+        info, shape = self._by_hf[hf_name]
+        array = hf_array(self.header, info, self.data(), self._permute)
+        if tuple(array.shape) != shape:
+            raise ModelLoadError(f"{self.header.path}: tensor {info.name!r} ({hf_name}) has shape "
+                                 f"{tuple(array.shape)}, the model config implies {shape}")
+        return torch.from_numpy(array)
+
+    def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
+        return key in self._by_hf
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_hf)
+
+    def __len__(self) -> int:
+        return len(self._by_hf)
+
+
 def _write_weights(
     header: GGUFHeader,
     cfg: Mapping[str, Any],
@@ -555,9 +660,7 @@ def _write_weights(
     """Dequantize every tensor and write HF-named safetensors shards into ``out``."""
     from safetensors.torch import save_file
 
-    permute_heads = {}
-    if header.architecture == "llama":  # llama.cpp permutes q/k rows for Llama only
-        permute_heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    permute_heads = rotary_permutation(header, cfg)
     data = np.memmap(header.path, dtype=np.uint8, mode="r")
     shards: list[list[str]] = []
     current: dict[str, Tensor] = {}
@@ -580,12 +683,7 @@ def _write_weights(
                 unmapped.append(info.name)
                 bar.update(info.nbytes)
                 continue
-            array = _dequantize(data, info, header.path)
-            kind = info.name.split(".")[-2] if info.name.count(".") >= 2 else ""
-            if kind in permute_heads:
-                array = _unpermute_rotary(array, permute_heads[kind])
-            if array.dtype != np.float32 or not array.flags.c_contiguous or not array.flags.writeable:
-                array = np.array(array, dtype=np.float32)  # an own, contiguous copy (not the mmap)
+            array = hf_array(header, info, data, permute_heads)
             storage = torch.bfloat16 if array.ndim >= 2 else torch.float32
             tensor = torch.from_numpy(array).to(storage)
             if tuple(tensor.shape) != expected[hf_name]:

@@ -6,14 +6,14 @@ says, before any slow work:
 * the model: architecture, name, layers, widths, heads, vocabulary, context length, and
   whether verispec runs the architecture (or the error a load would raise);
 * every tensor type in the file, and which part of verispec runs each tensor: the native
-  kernels (the file's own blocks), a dense bf16 fallback (a linear layer in a type or shape the
+  kernels (the file's own blocks), a dense float32 fallback (a linear layer in a type or shape the
   kernels do not run, named with what it costs), the embedding table, or float32 vectors (norms
   and biases);
-* the memory a load takes, by the loader's present rules: native layers hold the file's blocks
-  in the kernels' tile layout (about the file's bytes), dense layers bf16 weights, the
-  embedding table float32 values (native models run their activations in float32), the KV cache
-  float16 K and V per token and layer; and the disk a first load writes beside the file (the
-  converted checkpoint in bf16 and the repacked blocks).
+* the memory a load takes, by the loader's rules: native layers hold the file's blocks in the
+  kernels' tile layout (about the file's bytes), dense layers float32 weights, the embedding table
+  stays in the file (a lookup reads its rows) unless a tied head the kernels do not run needs it
+  dense, float32 vectors, the KV cache float16 K and V per token and layer; and the disk a
+  first load writes beside the file (the repacked blocks; the tokenizer's files are small).
 
 Figures of memory are estimates from shapes and types, not measurements; the dense bf16
 prefill copies some CPUs keep (:func:`verispec.models.native.dense_prefill_pays`) are shown
@@ -82,7 +82,6 @@ class GGUFInspection:
     weights_bytes: int  # in memory after a load
     prefill_copy_bytes: int  # the dense bf16 prefill copies, where a CPU keeps them
     kv_bytes_per_token: int | None
-    converted_bytes: int  # the bf16 checkpoint a first load writes
     repacked_bytes: int  # the repacked blocks' cache
 
     def kv_bytes(self, context: int) -> int | None:
@@ -120,17 +119,15 @@ def inspect_gguf(path: str | Path) -> GGUFInspection:
     tied = "output.weight" not in names
     types: dict[str, TypeRow] = {}
     dense_reasons: dict[str, int] = {}
-    weights = prefill = converted = repacked = 0
+    weights = prefill = repacked = 0
     for info in header.tensors:
         numel = math.prod(info.shape)
         kind = _kind(info.name)
         type_name = ggml_type_name(info.ggml_type)
-        converted += numel * (2 if len(info.shape) >= 2 else 4)
         is_head = info.name == "output.weight"
         linear = len(info.shape) == 2 and (kind in _LINEAR_KINDS or is_head)
         if info.name == "token_embd.weight":
-            route = "embedding table" + (" and LM head" if tied else "")
-            weights += numel * 4  # float32 rows
+            route = "embedding table (read from the file)" + (" and LM head" if tied else "")
             linear = tied and len(info.shape) == 2
         elif not linear:
             route = "float32 vector" if len(info.shape) == 1 else "dense (not a linear layer)"
@@ -144,8 +141,11 @@ def inspect_gguf(path: str | Path) -> GGUFInspection:
                     f"{type_name} is not run by the kernels")
                 dense_reasons[reason] = dense_reasons.get(reason, 0) + 1
                 if info.name != "token_embd.weight":
-                    route = "dense bf16 (fallback)"
-                    weights += numel * 2
+                    route = "dense float32 (fallback)"
+                    weights += numel * 4  # the native model's activations, and so these layers, are float32
+                else:  # a tied head the kernels do not run multiplies by a dense table
+                    route = "embedding table and LM head, dense float32 (fallback)"
+                    weights += numel * 4
             else:
                 repacked += info.nbytes
                 weights += info.nbytes
@@ -168,8 +168,7 @@ def inspect_gguf(path: str | Path) -> GGUFInspection:
         kv_heads=kv_heads, head_dim=head_dim, vocab=embd.shape[0] if embd is not None else None,
         context_length=meta("context_length"), types=sorted(types.values(), key=lambda r: -r.file_bytes),
         dense_layers=sum(dense_reasons.values()), dense_reasons=dense_reasons, weights_bytes=weights,
-        prefill_copy_bytes=prefill, kv_bytes_per_token=kv_per_token, converted_bytes=converted,
-        repacked_bytes=repacked,
+        prefill_copy_bytes=prefill, kv_bytes_per_token=kv_per_token, repacked_bytes=repacked,
     )  # fmt: skip
 
 
@@ -206,8 +205,8 @@ def format_inspection(r: GGUFInspection, context: int | None = None) -> str:
         lines.append(f"              {t.type_name:8s} {t.tensors:6d} {t.params:11,d} {_gb(t.file_bytes):>11s}  {routes}")
     if r.dense_layers:
         why = "; ".join(f"{reason} ({n})" for reason, n in r.dense_reasons.items())
-        lines.append(f"fallback      {r.dense_layers} linear tensor(s) run dense: {why}. A dense layer reads bf16 "
-                     "weights (2 bytes a weight, several times the file's) through a slower path than the kernels")
+        lines.append(f"fallback      {r.dense_layers} linear tensor(s) run dense: {why}. A dense layer reads float32 "
+                     "weights (4 bytes a weight, several times the file's) through a slower path than the kernels")
     else:
         lines.append("fallback      none: every linear layer runs on the native kernels")
     ctx = context or min(r.context_length or 4096, 4096)
@@ -219,7 +218,7 @@ def format_inspection(r: GGUFInspection, context: int | None = None) -> str:
     lines.append(f"memory        weights {_gb(r.weights_bytes)}" + (
         f" + KV cache {_gb(kv)} at {ctx} tokens ({r.kv_bytes_per_token // 1024} KiB a token)" if kv else "")
         + f" = {_gb(total)} (estimate), plus {_gb(r.prefill_copy_bytes)} of dense bf16 prefill copies if "
-        f"kept ({copies}); a first load peaks higher, as it builds the dense bf16 model first")
-    lines.append(f"disk          a first load writes {_gb(r.converted_bytes)} (converted bf16 checkpoint) + "
-                 f"{_gb(r.repacked_bytes)} (repacked blocks) under $VERISPEC_HOME")
+        f"kept ({copies})")
+    lines.append(f"disk          a first load writes {_gb(r.repacked_bytes)} of repacked blocks, and the "
+                 "tokenizer's files, under $VERISPEC_HOME")
     return "\n".join(lines)

@@ -43,14 +43,17 @@ from verispec.models.gguf_convert import (
     GGUF_ARCHITECTURES,
     GGUFHeader,
     GGUFTensorInfo,
+    GGUFTensors,
     convert_gguf,
     converted_dir,
     gguf_hf_config,
+    gguf_metadata,
+    metadata_dir,
     read_gguf_header,
 )
 from verispec import kernels
 from verispec.kernels import KernelError
-from verispec.models.native import float_activations_, is_native, use_gguf_weights_
+from verispec.models.native import GGUFEmbedding, float_activations_, install_gguf_layers_, is_native
 from verispec.models.quant import DEFAULT_INT4_GROUP_SIZE, check_scheme, quantize_
 from verispec.models.registry import BUNDLED_MODELS, resolve_model
 from verispec.models.tokenizer import Tokenizer
@@ -67,8 +70,10 @@ __all__ = [
     "converted_dir",
     "convert_gguf",
     "gguf_hf_config",
+    "load_gguf",
     "load_hf_dir",
     "load_model",
+    "metadata_dir",
     "read_gguf_header",
     "resolve_device",
     "resolve_dtype",
@@ -84,7 +89,7 @@ class LoadedModel:
 
     model: Decoder
     tokenizer: Tokenizer
-    source: Path  # the Hugging Face directory actually loaded (a GGUF's converted directory)
+    source: Path  # the Hugging Face directory or the GGUF file loaded
     hf_config: dict  # its config.json
     name: str  # short display name
 
@@ -205,17 +210,22 @@ def load_model(
         raise ModelLoadError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
     if quantization not in ("none", "auto") and dev.type != "cpu":
         raise ModelLoadError(f"quantization {quantization!r} runs on the CPU only; use quantization='none' on {dev}")
-    loaded, gguf_path = _load(spec, dev, torch_dtype, progress)
-    if quantization == "gguf" and gguf_path is None:
-        raise ModelLoadError(f"quantization 'gguf' runs a GGUF file's own weights, and {spec!s} is not a GGUF file")
-    if gguf_path is not None and (quantization == "gguf" or (quantization == "auto" and dev.type == "cpu")):
-        if quantization == "gguf" or kernels.available():
-            try:
-                use_gguf_weights_(loaded.model, gguf_path)
-            except KernelError as exc:
-                raise ModelLoadError(str(exc)) from None
-            if isinstance(dtype, str) and dtype.strip().lower() == "auto":
-                float_activations_(loaded.model)
+    spec_str = os.fspath(spec)
+    try:
+        path = resolve_model(spec_str, progress=progress)
+    except FileNotFoundError as exc:
+        raise ModelFileNotFoundError(str(exc)) from None
+    if path.is_dir():
+        if quantization == "gguf":
+            raise ModelLoadError(f"quantization 'gguf' runs a GGUF file's own weights, and {spec!s} is not a GGUF file")
+        loaded = load_hf_dir(path, device=dev, dtype=torch_dtype, name=path.resolve().name)
+    else:
+        # a GGUF's own blocks on the kernels: asked for, or the default on a CPU that has them
+        native = quantization == "gguf" or (quantization == "auto" and dev.type == "cpu" and kernels.available())
+        name = spec_str if spec_str in BUNDLED_MODELS else path.stem
+        loaded = load_gguf(path, device=dev, dtype=torch_dtype, native=native, name=name, progress=progress)
+        if native and isinstance(dtype, str) and dtype.strip().lower() == "auto":
+            float_activations_(loaded.model)
     quantize_(loaded.model, quantization, group_size)
     if quantization in ("int8", "int4") and isinstance(dtype, str) and dtype.strip().lower() == "auto":
         if is_native(loaded.model):  # as for a GGUF model on the kernels
@@ -225,19 +235,44 @@ def load_model(
     return loaded
 
 
-def _load(spec: str | Path, dev: torch.device, torch_dtype: torch.dtype,
-          progress: bool) -> tuple[LoadedModel, Path | None]:
-    """The model, and the GGUF file it came from (None for a Hugging Face directory)."""
-    spec_str = os.fspath(spec)
+def load_gguf(path: str | Path, *, device: torch.device, dtype: torch.dtype, native: bool, name: str | None = None,
+              progress: bool = True) -> LoadedModel:
+    """Load a GGUF file straight into a :class:`Decoder`, as llama.cpp does: the configuration and
+    tokenizer from its metadata (read once into a small cache, :func:`gguf_metadata`), and every
+    tensor from the memory-mapped file. With ``native`` the linear layers are built on the file's
+    own blocks (:func:`install_gguf_layers_`, on the weightless model, so their dense weights
+    never exist), the embedding table stays in the file's blocks (:class:`GGUFEmbedding`), and
+    only the rest (norms, biases, layers the kernels do not run) is dequantized; without it
+    every tensor is dequantized into dense layers."""
+    path = Path(path)
+    header = read_gguf_header(path)
+    meta = gguf_metadata(path, progress=progress)
+    hf_config = read_json_object(meta / "config.json")
     try:
-        path = resolve_model(spec_str, progress=progress)
-    except FileNotFoundError as exc:
-        raise ModelFileNotFoundError(str(exc)) from None
-    if path.is_dir():
-        return load_hf_dir(path, device=dev, dtype=torch_dtype, name=path.resolve().name), None
-    hf_dir = convert_gguf(path, progress=progress)
-    name = spec_str if spec_str in BUNDLED_MODELS else path.stem
-    return load_hf_dir(hf_dir, device=dev, dtype=torch_dtype, name=name), path
+        config = DecoderConfig.from_hf(hf_config)
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(f"{path}: {exc}") from None
+    tokenizer = _load_tokenizer(meta, hf_config)
+    tensors = GGUFTensors(header, meta)
+
+    def build(model: Decoder) -> None:
+        try:
+            install_gguf_layers_(model, tensors)
+        except KernelError as exc:
+            raise ModelLoadError(str(exc)) from None
+        # the table stays in the file's blocks, unless a tied head that the kernels do not run
+        # multiplies by it as a dense weight
+        embed = GGUFEmbedding.from_tensors(tensors, "model.embed_tokens.weight", dtype)
+        if embed is not None and not (config.tie_word_embeddings and model.lm_head is None):
+            model.embed = embed
+
+    model = Decoder.empty(config, dtype=dtype, device=device, build=build if native else None)
+    try:
+        model.load_hf_weights(tensors)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    return LoadedModel(model=model, tokenizer=tokenizer, source=path, hf_config=hf_config,
+                       name=name or path.stem)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,12 +1,16 @@
 """A GGUF model's own quantized weights, run by the native kernels (:mod:`verispec.kernels`).
 
-:func:`use_gguf_weights_` swaps a loaded decoder's linear layers (the fused q/k/v and gate/up
-projections, the output and down projections, and the LM head) for :class:`NativeLinear`
-layers built from the GGUF file's blocks, repacked once and never requantized: the weight a
-kernel multiplies by is the file's, as gguf dequantizes it. A fused layer keeps one packed part
-per GGUF tensor, so q and k in Q4_K can sit beside v in Q6_K, as Q4_K_M files mix them. A layer
-whose tensors the kernels cannot run (float tensors, other types, widths off the kernels' grid)
-keeps its dense weights; :func:`use_gguf_weights_` reports how many did.
+:func:`install_gguf_layers_` puts :class:`NativeLinear` layers built from the GGUF file's
+blocks in place of a decoder's linear layers (the fused q/k/v and gate/up projections, the
+output and down projections, and the LM head). The loader does it on the weightless model, so
+those layers' dense weights never exist (:meth:`Decoder.empty`'s ``build``);
+:func:`use_gguf_weights_` does it to a model already loaded. Blocks are repacked once and never
+requantized: the weight a kernel multiplies by is the file's, as gguf dequantizes it. A fused
+layer keeps one packed part per GGUF tensor, so q and k in Q4_K can sit beside v in Q6_K, as
+Q4_K_M files mix them. A layer whose tensors the kernels cannot run (other types, widths off
+the kernels' grid) runs dense, with a warning that names the types and the cost. The
+embedding table stays in the file's own blocks too (:class:`GGUFEmbedding`): a lookup
+dequantizes the rows it reads.
 
 Repacking happens once per GGUF file: the packed parts are written to
 ``$VERISPEC_HOME/repacked/<key>/`` (the key hashes the file's path, size and modification time
@@ -17,8 +21,8 @@ time. A cache that cannot be written only costs the repacking.
 Exactness. Each output row of a native layer is bit-identical whatever the number of rows and
 threads (the kernels' contract), so decode, verify and tree passes agree bit for bit, as
 speculative decoding needs. Prompt prefill (``PREFILL_MIN_TOKENS`` rows or more) on a CPU with
-native bf16 arithmetic may multiply by a dense bf16 copy instead (``dense``, the converted
-model's weight: the file's values rounded to bf16, stored in oneDNN's blocked layout where
+native bf16 arithmetic may multiply by a dense bf16 copy instead (``dense``: the file's values
+rounded to bf16, stored in oneDNN's blocked layout where
 PyTorch has oneDNN, see :func:`onednn_weight`); plain and speculative decoding prefill alike, so
 outputs agree.
 
@@ -52,7 +56,7 @@ from verispec.kernels import KernelError, PackedWeight
 from verispec.models.gguf_convert import _unpermute_rotary, ggml_type_name, read_gguf_header
 from verispec.runtime import verispec_home
 
-__all__ = ["NativeLinear", "use_gguf_weights_", "is_native", "float_activations_", "RepackCache",
+__all__ = ["NativeLinear", "GGUFEmbedding", "install_gguf_layers_", "use_gguf_weights_", "is_native", "float_activations_", "RepackCache",
            "NATIVE_FORMATS", "native_unfit", "quantize_native_", "gguf_quantized", "native_layer", "dense_prefill_pays"]
 
 # --quantization int8 / int4 of a dense checkpoint on the kernels: GGUF's Q8_0 (one fp16 scale
@@ -389,30 +393,105 @@ def is_native(model: nn.Module) -> bool:
 
 def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bool | None = None,
                       cache: bool | Path = True) -> int:
-    """Replace ``model``'s linear layers by native layers on the GGUF's own blocks; returns how
-    many layers stayed dense. ``model`` is the :class:`~verispec.models.decoder.Decoder` loaded
-    from the same file. ``keep_dense``: keep the dense bf16 weights for prompt prefill (default:
-    where that measures faster, :func:`dense_prefill_pays`). ``cache``: read and write the repacked weights in
-    the default cache (True), in a directory (a path), or not at all (False). Raises
+    """Replace the linear layers of ``model`` (the :class:`~verispec.models.decoder.Decoder` of
+    the same GGUF file, loaded dense) by native layers on the file's own blocks; returns how many
+    layers stayed dense. The loader builds GGUF models with native layers from the start
+    (:func:`install_gguf_layers_`); this is that for a model already loaded. ``keep_dense``,
+    ``cache``: as there."""
+    from verispec.models.gguf_convert import GGUFTensors, gguf_metadata
+
+    tensors = GGUFTensors(read_gguf_header(gguf_path), gguf_metadata(gguf_path, progress=False))
+    return install_gguf_layers_(model, tensors, keep_dense=keep_dense, cache=cache)
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table left in the GGUF file's own blocks, as llama.cpp leaves it: a lookup
+    dequantizes only the rows it reads (gguf's dequantization, so each row is the file's values
+    exactly), from the memory-mapped file. The model's largest tensor then costs no memory beyond
+    the file's pages that lookups touch. The output takes the module's dtype (it follows
+    ``.float()`` and ``.to()`` like a weight would). :attr:`weight`, the whole table dequantized
+    on each read, is for the few readers of a dense table (EAGLE training, a dense tied head)."""
+
+    def __init__(self, rows: np.ndarray, ggml_type: int, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.rows = rows  # [vocab, bytes per row], a view of the file's memory map
+        self.ggml_type = ggml_type
+        self.num_embeddings, self.embedding_dim = rows.shape[0], dim
+        self.register_buffer("like", torch.empty(0, dtype=dtype), persistent=False)  # the output's dtype
+
+    @classmethod
+    def from_tensors(cls, tensors, hf_name: str, dtype: torch.dtype) -> GGUFEmbedding | None:
+        """The table ``hf_name`` of a :class:`~verispec.models.gguf_convert.GGUFTensors`, or None
+        where the file's table needs a transform on reading (none of the supported ones does)."""
+        info = tensors.info(hf_name)
+        if info is None or len(info.shape) != 2 or info.name.split(".")[-2] in tensors._permute:
+            return None
+        n, k = info.shape
+        return cls(tensors.data()[info.offset : info.offset + info.nbytes].reshape(n, -1), info.ggml_type, k, dtype)
+
+    def _rows(self, ids: np.ndarray) -> Tensor:
+        from gguf import GGMLQuantizationType, dequantize
+
+        values = dequantize(self.rows[ids], GGMLQuantizationType(self.ggml_type))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1).cpu().numpy()
+        if flat.size and (flat.min() < 0 or flat.max() >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        out = self._rows(flat).to(device=self.like.device, dtype=self.like.dtype)
+        return out.view(*ids.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> Tensor:
+        return self._rows(np.arange(self.num_embeddings)).to(device=self.like.device, dtype=self.like.dtype)
+
+    def __deepcopy__(self, memo: dict) -> GGUFEmbedding:
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        rows = self.rows
+        self.rows = None
+        try:
+            new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        finally:
+            self.rows = rows
+        new.rows = rows  # the file's map is shared, read-only
+        return new
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {ggml_type_name(self.ggml_type)} blocks"
+
+
+# Each fused projection of a decoder layer and the Hugging Face names of its parts (stacked along
+# the output dimension in this order), under ``model.layers.<i>.``.
+_FUSED_PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
+                "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+
+
+def install_gguf_layers_(model: nn.Module, tensors, *, keep_dense: bool | None = None,
+                         cache: bool | Path = True) -> int:
+    """Put native layers on the GGUF's own blocks in place of ``model``'s linear layers (the
+    fused q/k/v and gate/up, the output and down projections, the LM head) wherever the kernels
+    run every tensor of the layer; returns how many layers stay dense (with a warning naming the
+    types and the cost). ``model`` may be weightless (on the meta device, as the loader builds it):
+    a layer's shape and whether it has a bias come from the model, its blocks, bias and dense
+    prefill copy from ``tensors`` (:class:`~verispec.models.gguf_convert.GGUFTensors`).
+
+    ``keep_dense``: keep the dense bf16 weights for prompt prefill (default: where that measures
+    faster, :func:`dense_prefill_pays`). ``cache``: read and write the repacked weights in the
+    default cache (True), in a directory (a path), or not at all (False). Raises
     :class:`KernelError` if the kernels are unavailable."""
     if not kernels.available():
         raise KernelError("the native CPU kernels are not available on this machine (see the warning above)")
-    if model.device.type != "cpu":
+    if model.device.type not in ("cpu", "meta"):
         raise KernelError(f"the native kernels run on the CPU, not on {model.device.type}")
+    header = tensors.header
     keep = dense_prefill_pays() if keep_dense is None else keep_dense
-    store = None if cache is False else RepackCache(gguf_path, None if cache is True else Path(cache))
-    header = read_gguf_header(gguf_path)
-    infos = {t.name: t for t in header.tensors}
-    data = np.memmap(header.path, dtype=np.uint8, mode="r")
-    cfg = model.config
-    permute = {}
-    if header.architecture == "llama":  # llama.cpp permutes q/k rows for Llama only
-        permute = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
-
+    store = None if cache is False else RepackCache(header.path, None if cache is True else Path(cache))
     unrun: dict[str, int] = {}  # why a tensor stays dense -> how many
 
-    def packed(name: str) -> PackedWeight | None:
-        info = infos.get(name)
+    def packed(hf_name: str) -> PackedWeight | None:
+        info = tensors.info(hf_name)
         if info is None or len(info.shape) != 2:
             return None
         n, k = info.shape
@@ -423,17 +502,17 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
                    else f"{ggml_type_name(info.ggml_type)} is not run by the kernels")
             unrun[why] = unrun.get(why, 0) + 1
             return None
-        raw = data[info.offset : info.offset + info.nbytes].reshape(n, -1)
-        kind = name.split(".")[-2] if name.startswith("blk.") else ""
-        if kind in permute:  # rows are whole blocks, so the raw rows permute like the weights
-            raw = _unpermute_rotary(raw, permute[kind])
+        raw = tensors.data()[info.offset : info.offset + info.nbytes].reshape(n, -1)
+        kind = info.name.split(".")[-2] if info.name.startswith("blk.") else ""
+        if kind in tensors._permute:  # rows are whole blocks, so the raw rows permute like the weights
+            raw = _unpermute_rotary(raw, tensors._permute[kind])
         return kernels.repack(info.ggml_type, raw, n, k)
 
-    def native(layer: nn.Linear, names: list[str], head: bool = False) -> nn.Module:
-        key = "+".join(names)
+    def native(layer: nn.Linear, bases: list[str], head: bool = False) -> nn.Module:
+        key = "+".join(tensors.info(b + ".weight").name if tensors.info(b + ".weight") else b for b in bases)
         parts = None if store is None else store.get(key)
         if parts is None:
-            parts = [packed(n) for n in names]
+            parts = [packed(b + ".weight") for b in bases]
             if any(p is None for p in parts):
                 return layer
             parts = kernels.concat(parts)
@@ -441,36 +520,35 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
                 store.put(key, parts)
         if sum(p.n for p in parts) != layer.out_features or parts[0].k != layer.in_features:
             return layer
-        bias = None if layer.bias is None else layer.bias.detach().float()
-        dense_copy = layer.weight.detach().to(torch.bfloat16) if keep and not head else None
+        bias = None if layer.bias is None else torch.cat([tensors[b + ".bias"] for b in bases]).float()
+        dense_copy = None
+        if keep and not head:
+            dense_copy = torch.cat([tensors[b + ".weight"].to(torch.bfloat16) for b in bases])
         return NativeLinear(parts, bias, dense_copy, float_output=head)
 
     dense = 0
     for i, layer in enumerate(model.layers):
-        p = f"blk.{i}."
-        for attr, names in (("qkv", ["attn_q", "attn_k", "attn_v"]), ("o_proj", ["attn_output"]),
-                            ("gate_up", ["ffn_gate", "ffn_up"]), ("down", ["ffn_down"])):
+        for attr, names in _FUSED_PARTS.items():
             old = getattr(layer, attr)
-            new = native(old, [f"{p}{n}.weight" for n in names])
+            new = native(old, [f"model.layers.{i}.{n}" for n in names])
             dense += new is old
             setattr(layer, attr, new)
-    head_name = "output.weight" if "output.weight" in infos else "token_embd.weight"
-    head = model.lm_head if model.lm_head is not None else as_linear(model.embed.weight)
-    new_head = native(head, [head_name], head=True)
+    tied = model.lm_head is None
+    head = as_linear(model.embed.weight) if tied else model.lm_head
+    new_head = native(head, ["model.embed_tokens" if tied else "lm_head"], head=True)
     if new_head is head:
         dense += 1
     else:
         model.lm_head = new_head
-    del data
     if store is not None and not store.loaded:
         store.save()
     if dense:
         why = ", ".join(f"{reason} ({n})" for reason, n in unrun.items()) or "shapes off the kernels' grid"
         warnings.warn(
-            f"{Path(gguf_path).name}: {dense} linear layer(s) hold tensors the native kernels do not run "
-            f"({why}) and run on dense bf16 weights instead: 2 bytes a weight, several times the file's "
-            "bytes, through a path many times slower per token than the kernels. `verispec models "
-            "inspect FILE` lists what runs where",
+            f"{header.path.name}: {dense} linear layer(s) hold tensors the native kernels do not run "
+            f"({why}) and run on dense weights instead: 4 bytes a weight in a float32 model (2 in "
+            "bfloat16), several times the file's bytes, through a path many times slower per token "
+            "than the kernels. `verispec models inspect FILE` lists what runs where",
             stacklevel=2,
         )
     return dense
