@@ -78,3 +78,27 @@ def test_a_file_verispec_does_not_run_is_reported(tmp_path: Path, llama_bin: Pat
     assert "unsupported GGUF architecture 'mamba'" in entry["not_run"]
     assert "speed" not in entry and "footprint" not in entry
     assert "verispec does not run it" in capsys.readouterr().out
+
+
+def test_synthetic_files_have_the_shape_and_types_of_q4_k_m(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            llama_bin: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gguf import GGMLQuantizationType as T
+
+    from verispec.models.inspect import inspect_gguf
+
+    monkeypatch.setitem(preset.SHAPES, "tiny", dict(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=1024,
+                                                    context=2048))
+    path = preset.write_synthetic(tmp_path / "s.gguf", "tiny")
+    r = inspect_gguf(path)
+    assert r.runs is None and r.dense_layers == 0
+    assert (r.layers, r.hidden, r.ffn, r.heads, r.kv_heads, r.vocab) == (2, 256, 512, 4, 2, 1024)
+    counts = {t.type_name: t.tensors for t in r.types}
+    assert counts == {T.Q4_K.name: 1 + 2 * 7 - 2, T.Q6_K.name: 1 + 2, T.F32.name: 2 * 2 + 1}
+    mtime = path.stat().st_mtime_ns
+    assert preset.write_synthetic(path, "tiny") == path and path.stat().st_mtime_ns == mtime  # written once
+    with pytest.raises(SystemExit):
+        preset.parse_args(["--synthetic", "llama-70b", "--llama-bin", str(llama_bin)])
+    assert "unknown synthetic shape(s) llama-70b" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        preset.parse_args(["--llama-bin", str(llama_bin)])
+    assert "name --files, --synthetic or both" in capsys.readouterr().err

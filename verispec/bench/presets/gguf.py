@@ -1,6 +1,8 @@
 """Any GGUF file against llama.cpp on the same file: decode speed, exactness and footprint.
 
-``--files`` names the GGUF files (or bundled names); ``--llama-bin`` the directory holding
+``--files`` names the GGUF files (or bundled names), ``--synthetic`` shapes of real models to
+write as random-weight Q4_K_M files (``llama-8b``: a model past these machines' usual size;
+values do not change speed or memory); ``--llama-bin`` the directory holding
 llama.cpp's ``llama-bench`` and ``llama-completion`` (or ``llama-cli``), built from the sources
 in the llama-cpp-python source distribution as the README shows for ``llama-server``.
 Sections (``--sections``):
@@ -46,7 +48,12 @@ _LLAMA_GENERATORS = ("llama-completion", "llama-cli")
 
 def parse_args(argv: list[str] | None) -> Any:
     p = PresetParser("gguf", __doc__.splitlines()[0], threads=2, max_tokens=64, repeats=3, out=None)
-    p.add_argument("--files", required=True, help="comma list of GGUF files or bundled model names")
+    p.add_argument("--files", default="", help="comma list of GGUF files or bundled model names")
+    p.add_argument("--synthetic", default="", metavar="SHAPES",
+                   help=f"also write and run random-weight Q4_K_M files of these shapes ({', '.join(SHAPES)}), "
+                        "into --synthetic-dir (once)")
+    p.add_argument("--synthetic-dir", type=Path, default=Path("bench-out/synthetic"),
+                   help="where synthetic files are written (default: bench-out/synthetic)")
     p.add_argument("--llama-bin", type=Path, required=True, help="directory of llama.cpp's built binaries")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list from {', '.join(SECTIONS)}")
     p.add_argument("--context", type=int, default=4096, help="context length of the footprint runs (default 4096)")
@@ -55,6 +62,12 @@ def parse_args(argv: list[str] | None) -> Any:
     bad = sorted(set(args.sections) - set(SECTIONS))
     if bad:
         p.error(f"unknown section(s) {', '.join(bad)}; choose from {', '.join(SECTIONS)}")
+    args.synthetic = [x for x in args.synthetic.split(",") if x]
+    bad = sorted(set(args.synthetic) - set(SHAPES))
+    if bad:
+        p.error(f"unknown synthetic shape(s) {', '.join(bad)}; choose from {', '.join(SHAPES)}")
+    if not args.files and not args.synthetic:
+        p.error("name --files, --synthetic or both")
     if args.context < 16:
         p.error(f"--context must be at least 16, got {args.context}")
     if not (args.llama_bin / "llama-bench").is_file():
@@ -86,6 +99,101 @@ def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 180
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:3])} ... exited with {proc.returncode}:\n{text[-2000:]}")
     return {"wall_s": wall, "max_rss_bytes": usage.ru_maxrss * 1024, "output": text}
+
+
+# -------------------------------------------------------------------------------------- synthetic
+
+
+# Shapes of real models for files with random weights (the speed and memory of a model depend on
+# its shapes and types, not on its values): llama's layout, Q4_K_M's mix of types.
+SHAPES = {
+    "llama-8b": dict(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256, context=131072),
+    "llama-3b": dict(layers=28, hidden=3072, ffn=8192, heads=24, kv_heads=8, vocab=128256, context=131072),
+}
+
+
+def _random_blocks(rng: Any, qtype: Any, rows: int, cols: int) -> Any:
+    """Random blocks of ``qtype`` (Q4_K or Q6_K) with small finite fp16 scales: valid data."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    if qtype == GGMLQuantizationType.Q4_K:  # d, dmin at the block's start
+        data[:, :, 0:4] = np.array([0.002, 0.001], dtype=np.float16).view(np.uint8)
+    else:  # Q6_K: d at its end
+        data[:, :, size - 2 : size] = np.array([0.0005], dtype=np.float16).view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def write_synthetic(path: Path, shape: str, seed: int = 0) -> Path:
+    """A random-weight GGUF of ``SHAPES[shape]`` as llama.cpp's Q4_K_M writes it (Q4_K matrices;
+    Q6_K for the output layer and, as in Q4_K_M, half the layers' attn_v and ffn_down), streamed
+    to disk tensor by tensor. The vocabulary is byte-level tokens and fillers, so both engines
+    tokenize and decode it."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    if path.is_file():
+        return path
+    d = SHAPES[shape]
+    head_dim = d["hidden"] // d["heads"]
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
+    alphabet = sorted(ByteLevel.alphabet())
+    tokens = specials + alphabet + ["Ġt"] + [f"x{i}" for i in range(d["vocab"] - len(specials) - len(alphabet) - 1)]
+    q4, q6 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+    tensors = [("token_embd.weight", q4, d["vocab"], d["hidden"]), ("output.weight", q6, d["vocab"], d["hidden"])]
+    for i in range(d["layers"]):
+        sensitive = q6 if i % 2 == 0 else q4
+        tensors += [(f"blk.{i}.attn_q.weight", q4, d["hidden"], d["hidden"]),
+                    (f"blk.{i}.attn_k.weight", q4, d["kv_heads"] * head_dim, d["hidden"]),
+                    (f"blk.{i}.attn_v.weight", sensitive, d["kv_heads"] * head_dim, d["hidden"]),
+                    (f"blk.{i}.attn_output.weight", q4, d["hidden"], d["hidden"]),
+                    (f"blk.{i}.ffn_gate.weight", q4, d["ffn"], d["hidden"]),
+                    (f"blk.{i}.ffn_up.weight", q4, d["ffn"], d["hidden"]),
+                    (f"blk.{i}.ffn_down.weight", sensitive, d["hidden"], d["ffn"])]  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    writer = GGUFWriter(str(tmp), "llama")
+    writer.add_name(f"synthetic {shape} (random weights)")
+    writer.add_block_count(d["layers"])
+    writer.add_context_length(d["context"])
+    writer.add_embedding_length(d["hidden"])
+    writer.add_feed_forward_length(d["ffn"])
+    writer.add_head_count(d["heads"])
+    writer.add_head_count_kv(d["kv_heads"])
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_file_type(15)  # MOSTLY_Q4_K_M
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(specials) + [1] * (len(tokens) - len(specials)))
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(3)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    norms = [(f"blk.{i}.{n}.weight", d["hidden"]) for i in range(d["layers"]) for n in ("attn_norm", "ffn_norm")]
+    norms.append(("output_norm.weight", d["hidden"]))
+    for name, qtype, rows, cols in tensors:
+        block, size = GGML_QUANT_SIZES[qtype]
+        writer.add_tensor_info(name, (rows, cols // block * size), np.dtype(np.uint8), rows * cols // block * size,
+                               raw_dtype=qtype)
+    for name, n in norms:
+        writer.add_tensor_info(name, (n,), np.dtype(np.float32), 4 * n)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, qtype, rows, cols in tensors:
+        writer.write_tensor_data(_random_blocks(rng, qtype, rows, cols))
+    for name, n in norms:
+        writer.write_tensor_data(np.ones(n, dtype=np.float32))
+    writer.close()
+    tmp.replace(path)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------- speed
@@ -201,8 +309,11 @@ def main(argv: list[str] | None = None) -> int:
 
     report: dict[str, Any] = {"threads": args.threads, "machine": machine_info(),
                               "load_at_start": machine_load(args.threads), "files": {}}
-    for spec in args.files.split(","):
-        path = resolve_model(spec)
+    files = [resolve_model(spec) for spec in args.files.split(",") if spec]
+    for shape in args.synthetic:
+        log(f"writing the synthetic {shape} file (once) ...")
+        files.append(write_synthetic(args.synthetic_dir / f"synthetic-{shape}-q4_k_m.gguf", shape))
+    for path in files:
         if not (path.is_file() and path.suffix.lower() == ".gguf"):
             raise SystemExit(f"--files takes GGUF files; {path} is not one")
         facts = inspect_gguf(path)
