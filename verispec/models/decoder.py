@@ -14,8 +14,10 @@ greedy decoding token for token.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -440,6 +442,27 @@ EAGER_STEPS = LayerSteps()
 _NATIVE_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+_INIT_LOCK = threading.Lock()
+_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "xavier_uniform_", "trunc_normal_", "zeros_", "ones_")
+
+
+@contextlib.contextmanager
+def _no_random_init():
+    """Module constructors skip their weights' random initialisation (``torch.nn.init``), as
+    transformers' ``no_init_weights`` does: every weight of :meth:`Decoder.empty` is loaded
+    afterwards, and on the meta device the first such call alone costs more than a second (it
+    loads torch's meta kernels)."""
+    with _INIT_LOCK:
+        saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+        for name in saved:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        try:
+            yield
+        finally:
+            for name, function in saved.items():
+                setattr(nn.init, name, function)
+
+
 class Decoder(nn.Module):
     """Llama-family causal LM over a :class:`KVCache`."""
 
@@ -463,7 +486,9 @@ class Decoder(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False
         )
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        with torch.device("cpu"):  # computed, even where the model is built weightless (meta)
+            inv_freq = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.steps = EAGER_STEPS  # verispec.models.compile.compile_decoder swaps in compiled steps
         self.requires_grad_(False)
 
@@ -476,7 +501,7 @@ class Decoder(nn.Module):
         device) and may put finished layers in: a GGUF file's native layers, made from its
         blocks (:func:`verispec.models.native.install_gguf_layers_`). Only what is still
         weightless is then allocated, so the dense weights of those layers never exist."""
-        with torch.device("meta"):
+        with torch.device("meta"), _no_random_init():
             model = cls(config).to(dtype)
         if build is not None:
             build(model)
