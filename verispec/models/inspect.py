@@ -185,19 +185,11 @@ def format_inspection(r: GGUFInspection, context: int | None = None) -> str:
     hf = GGUF_ARCHITECTURES.get(r.architecture or "")
     lines.append(f"architecture  {r.architecture}: " + ("runs" + (f" (as {hf})" if hf else "") if r.runs is None
                                                        else f"NOT RUN: {r.runs}"))
-    shape = []
-    if r.layers:
-        shape.append(f"{r.layers} layers")
-    if r.hidden:
-        shape.append(f"hidden {r.hidden}")
-    if r.ffn:
-        shape.append(f"FFN {r.ffn}")
-    if r.heads:
-        shape.append(f"{r.heads} heads, {r.kv_heads} KV heads of {r.head_dim}")
-    if r.vocab:
-        shape.append(f"vocabulary {r.vocab}")
-    if r.context_length:
-        shape.append(f"context {r.context_length}")
+    shape = [text for value, text in ((r.layers, f"{r.layers} layers"), (r.hidden, f"hidden {r.hidden}"),
+                                      (r.ffn, f"FFN {r.ffn}"),
+                                      (r.heads, f"{r.heads} heads, {r.kv_heads} KV heads of {r.head_dim}"),
+                                      (r.vocab, f"vocabulary {r.vocab}"), (r.context_length, f"context {r.context_length}"))
+             if value]  # fmt: skip
     lines.append("shape         " + ", ".join(shape))
     lines.append("tensors       type      count      params       bytes  run by")
     for t in r.types:
