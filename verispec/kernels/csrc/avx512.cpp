@@ -1,8 +1,8 @@
 // AVX512 path (F, BW, VL, VNNI): one tile superblock is 64-byte groups, one zmm each, read
 // straight from the packed tile (no scratch copy).
 // Per row and group: vpdpbusd (u8 weight x s8 activation, 4 products per int32 column lane),
-// and per sub the fp32 steps of the contract. Signed weights (Q8_0) are read as unsigned bytes
-// (w + 128), each sum starting from -128 * bsum. Integer sums and the fp32 epilogue follow the
+// and per sub the fp32 steps of the contract. Signed weights (Q8_0, IQ4_NL, IQ4_XS) are read as
+// unsigned bytes (w + 128), each sum starting from -128 * bsum. Integer sums and the fp32 epilogue follow the
 // contract in qgemm.h.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")
 #include <immintrin.h>
@@ -39,7 +39,7 @@ static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* 
     }
   } else {
     // Q8_0 as unsigned bytes, w + 128 (the top bit flipped); each sum starts from -128 * bsum
-    static_assert(SIGNED, "Q8_0 is the one 8-bit format");
+    static_assert(SIGNED, "the 8-bit formats are the signed ones (Q8_0, IQ4_NL, IQ4_XS)");
     const __m512i top = _mm512_set1_epi8((char)0x80);
     *w0 = _mm512_xor_si512(_mm512_loadu_si512(tile + 64 * g), top);
     *w1 = _mm512_xor_si512(_mm512_loadu_si512(tile + 64 * g + 64), top);
@@ -84,13 +84,12 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
     __m512i part[P][R];
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      // a format with an integer offset starts from its term, -o * bsum_j (QActs::off16, off32),
-      // and Q8_0, read as w + 128, from -128 * bsum_j (off128)
+      // a format with an integer offset starts from its term, -o * bsum_j (QActs::offset_term),
+      // and the 8-bit formats, read as w + 128, from -128 * bsum_j (off128)
       if constexpr (SIGNED) {
         part[0][r] = _mm512_set1_epi32(a.off128[blk * a.mp + m0 + r]);
       } else if constexpr (OFF != 0) {
-        static_assert(OFF == (SUB == 16 ? 32 : 16), "the offsets QActs holds: Q6_K's and Q5_0's");
-        part[0][r] = _mm512_set1_epi32(a.offset_term(SUB, s * (KB / 16) + j * (SUB / 16), m0 + r));
+        part[0][r] = _mm512_set1_epi32(a.offset_term<OFF, SUB>(s * (KB / 16) + j * (SUB / 16), m0 + r));
       } else {
         part[0][r] = _mm512_setzero_si512();
       }
@@ -127,7 +126,10 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
     for (int r = 0; r < R; ++r) {
       const __m512 dxj = _mm512_set1_ps(a.dx[blk * a.mp + m0 + r]);
       y[r] = _mm512_fmadd_ps(dl, _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r]), dxj), y[r]);
-      if (FPOFF) y[r] = _mm512_fnmadd_ps(_mm512_load_ps(u.ml[j]), _mm512_set1_ps(a.dxb[blk * a.mp + m0 + r]), y[r]);
+      if (FPOFF) {
+        const float v = a.offset_factor<SUB>(s * (KB / 16) + j * (SUB / 16), m0 + r);
+        y[r] = _mm512_fnmadd_ps(_mm512_load_ps(u.ml[j]), _mm512_set1_ps(v), y[r]);
+      }
     }
   }
   }

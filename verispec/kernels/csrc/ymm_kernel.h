@@ -38,18 +38,18 @@ static inline __attribute__((always_inline)) void unpack_scales(int fmt, const F
   for (int h = 0; h < 2; ++h) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 8 * h)));
     switch (fmt) {
-      case Q4_K: {
+      case Q4_K: case Q5_K: case Q2_K: {
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 16 + 8 * h)));
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < f.nsub(); ++j) {
           _mm256_store_ps(u->dl[j] + 8 * h, _mm256_mul_ps(d, u8_as_float(s + 16 * j + 8 * h)));
-          _mm256_store_ps(u->ml[j] + 8 * h, _mm256_mul_ps(dmin, u8_as_float(s + 16 * (8 + j) + 8 * h)));
+          _mm256_store_ps(u->ml[j] + 8 * h, _mm256_mul_ps(dmin, u8_as_float(s + 16 * (f.nsub() + j) + 8 * h)));
         }
         break;
       }
-      case Q6_K:
-        for (int j = 0; j < 16; ++j) _mm256_store_ps(u->dl[j] + 8 * h, _mm256_mul_ps(d, i8_as_float(s + 16 * j + 8 * h)));
+      case Q6_K: case Q3_K: case IQ4_XS:
+        for (int j = 0; j < f.nsub(); ++j) _mm256_store_ps(u->dl[j] + 8 * h, _mm256_mul_ps(d, i8_as_float(s + 16 * j + 8 * h)));
         break;
-      case Q4_1: {  // ml = -m by flipping the sign bit, as the scalar negation does
+      case Q4_1: case Q5_1: {  // ml = -m by flipping the sign bit, as the scalar negation does
         const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 16 + 8 * h)));
         _mm256_store_si256((__m256i*)(u->ml[0] + 8 * h),
                            _mm256_xor_si256(_mm256_castps_si256(m), _mm256_set1_epi32(INT32_MIN)));
@@ -83,7 +83,7 @@ static inline void group_weights(const uint8_t* tile, int g, __m256i* w, __m256i
       }
     }
   } else {
-    static_assert(SIGNED, "Q8_0 is the one 8-bit format");
+    static_assert(SIGNED, "the 8-bit formats are the signed ones (Q8_0, IQ4_NL, IQ4_XS)");
     for (int half = 0; half < 2; ++half) {
       sg[half] = _mm256_loadu_si256((const __m256i*)(tile + 64 * g + 32 * half));
       // VNNI: w + 128 (the top bit flipped), the sums starting from -128 * bsum (QActs::off128);
@@ -95,8 +95,8 @@ static inline void group_weights(const uint8_t* tile, int g, __m256i* w, __m256i
 
 // Groups whose maddubs results can be added in int16 before one madd widens them (AVX2 only:
 // kInt16Sums): each int16 lane then sums 2 products per group, each at most wmax * 127 in
-// magnitude, so chunk * 2 * wmax * 127 must stay within 32767 for the sum to be exact: Q4_K and
-// Q4_1 (wmax 15) 8 groups, Q5_0 (31) 4, Q6_K (63) 2, Q8_0 (128) 1. The largest such divisor of
+// magnitude, so chunk * 2 * wmax * 127 must stay within 32767 for the sum to be exact: the 4-bit
+// formats (wmax 15) 8 groups, the 4+1-bit ones (31) 4, Q6_K (63) 2, the 8-bit ones (128) 1. The largest such divisor of
 // the groups per sub (gps). Fewer madds: a Q4_K sub takes 16 maddubs, 16 adds and 2 madds per
 // row instead of 16 maddubs, 16 madds and 16 adds.
 constexpr int int16_chunk(int wmax, int gps) {
@@ -114,7 +114,7 @@ constexpr int int16_chunk(int wmax, int gps) {
 // sum q * x - OFF * bsum without the separate offset.
 template <int OFF, int SUB>
 static inline const int32_t& centered_offset(const QActs& a, int64_t m, int64_t i) {
-  static_assert(OFF == (SUB == 16 ? 32 : 16), "the offsets QActs holds: Q6_K's and Q5_0's");
+  static_assert(OFF == (SUB == 16 ? 32 : 16), "the centered offsets QActs holds: Q6_K's and Q5_0's");
   return SUB == 16 ? a.cen16[i * a.mp + m] : a.cen32[i / 2 * a.mp + m];
 }
 
@@ -127,9 +127,12 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
                        float* acc, int64_t m0, PrefetchQueue& pq, const Unpacked* scales, const __m256i* made) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4, G = KB / 4, PER = HB ? 8 / HB : 8;
   // CENTER: the offset formats' int16 sums are of w - OFF (at most OFF in magnitude), a whole sub
-  // per chunk (Q6_K, Q5_0); see centered_offset.
-  constexpr bool CENTER = kInt16Sums && OFF > 0 && int16_chunk(OFF, GPS) == GPS;
-  constexpr int CH = CENTER ? GPS : kInt16Sums ? int16_chunk(NIB ? 15 : HB ? (16 << HB) - 1 : 128, GPS) : 1;
+  // per chunk, where the stored w alone would take more chunks (Q6_K, Q5_0; the nibble formats
+  // with an offset, Q4_0 and Q3_K, take a whole sub per chunk as they are, and start from the
+  // offset's term); see centered_offset.
+  constexpr int WMAX = NIB ? 15 : HB ? (16 << HB) - 1 : 128;
+  constexpr bool CENTER = kInt16Sums && OFF > 0 && int16_chunk(WMAX, GPS) < GPS && int16_chunk(OFF, GPS) == GPS;
+  constexpr int CH = CENTER ? GPS : kInt16Sums ? int16_chunk(WMAX, GPS) : 1;
   for (int c = 0; c < count; ++c) {
     const uint8_t* tile = tile0 + (int64_t)c * f.tile_bytes();
     const int64_t s = s0 + c;
@@ -144,14 +147,14 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
       __m256i i0[R], i1[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        // On AVX-VNNI, an offset format starts from the offset's term, -o * bsum_j (QActs::off16,
-        // off32), instead of subtracting it after the dot products, and Q8_0, read as w + 128,
-        // from -128 * bsum_j (off128); AVX2 centers its int16 lanes instead (centered_offset).
+        // An offset format starts from the offset's term, -o * bsum_j (QActs::offset_term),
+        // instead of subtracting it after the dot products, and on AVX-VNNI the 8-bit formats,
+        // read as w + 128, from -128 * bsum_j (off128); AVX2 centers the int16 lanes of Q6_K and
+        // Q5_0 instead (centered_offset).
         if constexpr (SIGNED && !kInt16Sums) {
           i0[r] = i1[r] = _mm256_set1_epi32(a.off128[blk * a.mp + m0 + r]);
         } else if constexpr (OFF != 0 && !CENTER) {
-          static_assert(OFF == (SUB == 16 ? 32 : 16), "the offsets QActs holds: Q6_K's and Q5_0's");
-          i0[r] = i1[r] = _mm256_set1_epi32(a.offset_term(SUB, s * (KB / 16) + j * (SUB / 16), m0 + r));
+          i0[r] = i1[r] = _mm256_set1_epi32(a.offset_term<OFF, SUB>(s * (KB / 16) + j * (SUB / 16), m0 + r));
         } else {
           i0[r] = i1[r] = _mm256_setzero_si256();
         }
@@ -217,7 +220,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
         __m256 y0 = _mm256_fmadd_ps(dl0, _mm256_mul_ps(_mm256_cvtepi32_ps(i0[r]), dxj), _mm256_loadu_ps(y));
         __m256 y1 = _mm256_fmadd_ps(dl1, _mm256_mul_ps(_mm256_cvtepi32_ps(i1[r]), dxj), _mm256_loadu_ps(y + 8));
         if (FPOFF) {
-          const __m256 v = _mm256_set1_ps(a.dxb[blk * a.mp + m0 + r]);
+          const __m256 v = _mm256_set1_ps(a.offset_factor<SUB>(s * (KB / 16) + j * (SUB / 16), m0 + r));
           y0 = _mm256_fnmadd_ps(_mm256_load_ps(u.ml[j]), v, y0);
           y1 = _mm256_fnmadd_ps(_mm256_load_ps(u.ml[j] + 8), v, y1);
         }
