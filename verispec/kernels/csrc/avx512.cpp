@@ -1,8 +1,9 @@
 // AVX512 path (F, BW, VL, VNNI): one tile superblock is 64-byte groups, one zmm each, read
 // straight from the packed tile (no scratch copy).
 // Per row and group: vpdpbusd (u8 weight x s8 activation, 4 products per int32 column lane),
-// and per sub the fp32 steps of the contract. Signed weights (Q8_0, IQ4_NL, IQ4_XS) are read as
-// unsigned bytes (w + 128), each sum starting from -128 * bsum. Integer sums and the fp32 epilogue follow the
+// and per sub the fp32 steps of the contract. Signed weights (Q8_0, and IQ4's nibbles once turned
+// into their int8 values) are read as unsigned bytes (w + 128), each sum starting from
+// -128 * bsum. Integer sums and the fp32 epilogue follow the
 // contract in qgemm.h.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")
 #include <immintrin.h>
@@ -37,9 +38,15 @@ static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* 
       *w0 = _mm512_or_si512(*w0, high_bits<HB, GI>(h));
       *w1 = _mm512_or_si512(*w1, high_bits<HB, GI + 1>(h));
     }
+    if constexpr (SIGNED) {  // IQ4: each nibble picks its int8 value, as w + 128 (as Q8_0's)
+      const __m128i kv = _mm_xor_si128(_mm_loadu_si128((const __m128i*)kIq4Values), _mm_set1_epi8((char)0x80));
+      const __m512i table = _mm512_broadcast_i32x4(kv);
+      *w0 = _mm512_shuffle_epi8(table, *w0);
+      *w1 = _mm512_shuffle_epi8(table, *w1);
+    }
   } else {
     // Q8_0 as unsigned bytes, w + 128 (the top bit flipped); each sum starts from -128 * bsum
-    static_assert(SIGNED, "the 8-bit formats are the signed ones (Q8_0, IQ4_NL, IQ4_XS)");
+    static_assert(SIGNED, "Q8_0 is the one 8-bit format");
     const __m512i top = _mm512_set1_epi8((char)0x80);
     *w0 = _mm512_xor_si512(_mm512_loadu_si512(tile + 64 * g), top);
     *w1 = _mm512_xor_si512(_mm512_loadu_si512(tile + 64 * g + 64), top);
@@ -85,7 +92,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       // a format with an integer offset starts from its term, -o * bsum_j (QActs::offset_term),
-      // and the 8-bit formats, read as w + 128, from -128 * bsum_j (off128)
+      // and the signed formats, read as w + 128, from -128 * bsum_j (off128)
       if constexpr (SIGNED) {
         part[0][r] = _mm512_set1_epi32(a.off128[blk * a.mp + m0 + r]);
       } else if constexpr (OFF != 0) {

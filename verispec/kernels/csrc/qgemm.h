@@ -25,25 +25,25 @@
 //   Q6_K  KB 256, 16 subs of 16: weight = (d*sc)*(w-32)        dl = d*sc, o = 32
 //   Q3_K  KB 256, 16 subs of 16: weight = (d*sc)*(w-4)         dl = d*sc (sc = 6-bit - 32), o = 4;
 //                                w = 2 low bits | hmask bit << 2 (stored as nibbles)
-//   IQ4_XS KB 256, 8 subs of 32: weight = (d*sc)*w  (w int8)   dl = d*sc (sc = 6-bit - 32);
-//                                w = kvalues[nibble], stored as int8
+//   IQ4_XS KB 256, 8 subs of 32: weight = (d*sc)*w             dl = d*sc (sc = 6-bit - 32);
+//                                w = kvalues[nibble] (int8), the nibble stored
 //   Q5_0  KB 32, one sub:        weight = d*(w-16)             dl = d, o = 16
 //   Q4_0  KB 32, one sub:        weight = d*(w-8)              dl = d, o = 8
 //   Q4_1  KB 32, one sub:        weight = d*w + m              dl = d, ml = -m
 //   Q5_1  KB 32, one sub:        as Q4_1, w of 4+1 bits
 //   Q8_0  KB 32, one sub:        weight = d*w  (w int8)        dl = d
-//   IQ4_NL KB 32, one sub:       as Q8_0, w = kvalues[nibble] stored as int8
-// Q2_K, Q3_K, IQ4_NL and IQ4_XS are stored wider than the file's bits (the nibbles, the int8 that
-// Q8_0 uses): the row loops run them unchanged, at about twice the file's bytes per weight.
+//   IQ4_NL KB 32, one sub:       as Q8_0, w = kvalues[nibble] (int8), the nibble stored
+// Q2_K and Q3_K are stored wider than the file's bits, as nibbles: the row loops run them
+// unchanged, at 1.95 and 1.33 times the file's bytes. The IQ4 formats store the file's nibbles,
+// which the SIMD loops turn into their int8 values in registers (one byte shuffle per group).
 //
 // Packed layout. Columns are grouped in tiles of 16; a weight is stored as
 // [N/16 tiles][K/KB superblocks][tile bytes], so one thread reads one contiguous stream per tile.
 // One tile superblock, with G = KB/4 groups of 4 consecutive k:
 //
-//   weights   8-bit formats (Q8_0, IQ4_NL, IQ4_XS): G x [16 cols][4 k] bytes (byte = w[4g + j] of
-//             column c)
-//             4-bit formats (Q4_K, Q4_0, Q4_1; Q3_K, Q2_K widened): G/2 x [16 cols][4 k] bytes,
-//             low nibble group 2h, high nibble 2h + 1
+//   weights   8-bit formats (Q8_0): G x [16 cols][4 k] bytes  (byte = w[4g + j] of column c)
+//             4-bit formats (Q4_K, Q4_0, Q4_1, IQ4_NL, IQ4_XS; Q3_K, Q2_K widened): G/2 x
+//             [16 cols][4 k] bytes, low nibble group 2h, high nibble 2h + 1
 //             (both nibbles of a byte in one sub, so one load feeds two groups of the same sub)
 //             Q6_K, Q5_0, Q5_1, Q5_K (4+2 and 4+1 bits, hb high bits): the low 4 bits as the 4-bit
 //             formats, then G*hb/8 x [16 cols][4 k] bytes of the high bits, each block holding
@@ -81,7 +81,7 @@ struct FormatInfo {  // (field order: the initialisers in format_info)
   int block_bytes;   // bytes of one GGUF block (one KB run of one row)
   bool nibbles;      // 4-bit storage
   int hbits;         // 4+hbits-bit storage (Q6_K 2, Q5_0 1): the nibbles, then the high bits
-  bool signed_w;     // weights are int8 (Q8_0, IQ4_NL, IQ4_XS)
+  bool signed_w;     // weights are int8: Q8_0's bytes, or IQ4's nibbles indexing kIq4Values
   bool int_scales;   // per-sub integer scales stored (the K-quants, IQ4_XS)
   bool stores_dmin;  // a second fp16 per column (the K-quants' dmin, Q4_1's and Q5_1's m)
 
@@ -134,8 +134,9 @@ struct QActs {
   // and sub.
   const int32_t* off16;
   const int32_t* off32;
-  // [K / 32][mp]: -128 * bsum of each block of 32, for Q8_0 read as unsigned bytes (w + 128, by
-  // flipping each byte's top bit) on the VNNI paths: sum (w + 128) q - 128 bsum = sum w q.
+  // [K / 32][mp]: -128 * bsum of each block of 32, for the signed formats read as unsigned bytes
+  // (w + 128, by flipping each byte's top bit) on the VNNI paths: sum (w + 128) q - 128 bsum =
+  // sum w q.
   const int32_t* off128;
 
   const int8_t* qb(int64_t blk, int64_t row) const { return q + (blk * mp + row) * 32; }
@@ -190,12 +191,13 @@ static inline void with_format(int fmt, F&& f) {
     case Q2_K: f(FormatArgs<256, 16, true, 0, false, 0, true>{}); break;
     case Q6_K: f(FormatArgs<256, 16, false, 2, false, 32, false>{}); break;
     case Q3_K: f(FormatArgs<256, 16, true, 0, false, 4, false>{}); break;
-    case IQ4_XS: f(FormatArgs<256, 32, false, 0, true, 0, false>{}); break;
+    case IQ4_XS: f(FormatArgs<256, 32, true, 0, true, 0, false>{}); break;
     case Q5_0: f(FormatArgs<32, 32, false, 1, false, 16, false>{}); break;
     case Q4_0: f(FormatArgs<32, 32, true, 0, false, 8, false>{}); break;
     case Q4_1: f(FormatArgs<32, 32, true, 0, false, 0, true>{}); break;
     case Q5_1: f(FormatArgs<32, 32, false, 1, false, 0, true>{}); break;
-    case Q8_0: case IQ4_NL: f(FormatArgs<32, 32, false, 0, true, 0, false>{}); break;
+    case Q8_0: f(FormatArgs<32, 32, false, 0, true, 0, false>{}); break;
+    case IQ4_NL: f(FormatArgs<32, 32, true, 0, true, 0, false>{}); break;
   }
 }
 
@@ -240,7 +242,7 @@ void amx_release();
 
 // A GGUF block decoded to integers (see decode_block).
 struct Decoded {
-  int32_t q[256];            // stored integers, in k order (Q8_0, IQ4_NL, IQ4_XS signed)
+  int32_t q[256];            // stored integers, in k order (Q8_0 signed; IQ4: the nibbles)
   int32_t sc[kMaxSub], mn[kMaxSub];  // raw per-sub scale and min (K-quants)
   uint16_t d = 0, dmin = 0;  // fp16 bits (dmin: the K-quants' dmin, Q4_1's and Q5_1's m)
 };

@@ -15,13 +15,13 @@ bool format_info(int fmt, FormatInfo* out) {
     case Q2_K: *out = {256, 16, 84, true, 0, false, true, true}; return true;
     case Q6_K: *out = {256, 16, 210, false, 2, false, true, false}; return true;
     case Q3_K: *out = {256, 16, 110, true, 0, false, true, false}; return true;
-    case IQ4_XS: *out = {256, 32, 136, false, 0, true, true, false}; return true;
+    case IQ4_XS: *out = {256, 32, 136, true, 0, true, true, false}; return true;
     case Q5_0: *out = {32, 32, 22, false, 1, false, false, false}; return true;
     case Q4_0: *out = {32, 32, 18, true, 0, false, false, false}; return true;
     case Q4_1: *out = {32, 32, 20, true, 0, false, false, true}; return true;
     case Q5_1: *out = {32, 32, 24, false, 1, false, false, true}; return true;
     case Q8_0: *out = {32, 32, 34, false, 0, true, false, false}; return true;
-    case IQ4_NL: *out = {32, 32, 18, false, 0, true, false, false}; return true;
+    case IQ4_NL: *out = {32, 32, 18, true, 0, true, false, false}; return true;
     default: return false;
   }
 }
@@ -122,10 +122,7 @@ void decode_block(int fmt, const uint8_t* b, Decoded* out) {
       const uint16_t sh = rd16(b + 2);
       const uint8_t* sl = b + 4;
       for (int j = 0; j < 8; ++j) out->sc[j] = (((sl[j / 2] >> (4 * (j % 2))) & 0xf) | ((sh >> (2 * j)) & 3) << 4) - 32;
-      for (int j = 0; j < 8; ++j) {
-        block_nibbles(b + 8 + 16 * j, out->q + 32 * j);
-        for (int i = 0; i < 32; ++i) out->q[32 * j + i] = kIq4Values[out->q[32 * j + i]];
-      }
+      for (int j = 0; j < 8; ++j) block_nibbles(b + 8 + 16 * j, out->q + 32 * j);
       return;
     }
     case Q6_K: {
@@ -162,13 +159,9 @@ void decode_block(int fmt, const uint8_t* b, Decoded* out) {
       return;
     }
     case Q4_0:
-      out->d = rd16(b);
-      block_nibbles(b + 2, out->q);
-      return;
     case IQ4_NL:
       out->d = rd16(b);
       block_nibbles(b + 2, out->q);
-      for (int i = 0; i < 32; ++i) out->q[i] = kIq4Values[out->q[i]];
       return;
     case Q4_1:
       out->d = rd16(b);
@@ -244,7 +237,7 @@ static inline int32_t weight_at(const FormatInfo& f, const uint8_t* tile, int k,
   if (f.nibbles || f.hbits) {
     const uint8_t b = tile[(g / 2) * 64 + 4 * c + j];
     const int32_t low = g % 2 == 0 ? (b & 0xf) : (b >> 4);
-    if (!f.hbits) return low;
+    if (!f.hbits) return f.signed_w ? kIq4Values[low] : low;
     const int per = 8 / f.hbits;
     return low | ((tile[G / 2 * 64 + g / per * 64 + 4 * c + j] >> (f.hbits * (g % per))) & ((1 << f.hbits) - 1)) << 4;
   }

@@ -3,7 +3,7 @@
 // and high bits joined in registers, as the AVX512 path does), and used for a block of up to 4
 // rows; per row and group one dot product of u8 weights with s8 activations into int32 column
 // lanes, and per sub the fp32 steps of the contract (qgemm.h), on accumulators kept in the
-// caller's acc (L1). Signed weights (Q8_0) move their signs onto the activations with vpsignb
+// caller's acc (L1). Signed weights (Q8_0, IQ4) move their signs onto the activations with vpsignb
 // (AVX2), or are read as w + 128 (AVX-VNNI).
 //
 // The including file sets the instruction set (#pragma GCC target) and defines, before the
@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) void unpack_scales(int fmt, const F
 static inline __m256i bcast4(const int8_t* p) { return _mm256_castps_si256(_mm256_broadcast_ss((const float*)p)); }
 
 // The weights of group g of a tile superblock (G groups), columns 0-7 in w[0] and 8-15 in w[1],
-// as the dot product's unsigned operand (Q8_0: the magnitudes, the signs in sg). GI: the group's
+// as the dot product's unsigned operand (Q8_0, IQ4: the magnitudes, the signs in sg). GI: the group's
 // place in its high block, g % (8 / HB), a constant so that the shifts are immediates.
 template <bool NIB, int HB, bool SIGNED, int G, int GI>
 static inline void group_weights(const uint8_t* tile, int g, __m256i* w, __m256i* sg) {
@@ -81,9 +81,14 @@ static inline void group_weights(const uint8_t* tile, int g, __m256i* w, __m256i
         const __m256i hs = sh > 0 ? _mm256_slli_epi16(h, sh) : sh < 0 ? _mm256_srli_epi16(h, -sh) : h;
         w[half] = _mm256_or_si256(w[half], _mm256_and_si256(hs, _mm256_set1_epi8((char)(((1 << HB) - 1) << 4))));
       }
+      if constexpr (SIGNED) {  // IQ4: each nibble picks its int8 value, then as Q8_0's bytes below
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kIq4Values));
+        sg[half] = _mm256_shuffle_epi8(table, w[half]);
+        w[half] = kInt16Sums ? _mm256_abs_epi8(sg[half]) : _mm256_xor_si256(sg[half], _mm256_set1_epi8((char)0x80));
+      }
     }
   } else {
-    static_assert(SIGNED, "the 8-bit formats are the signed ones (Q8_0, IQ4_NL, IQ4_XS)");
+    static_assert(SIGNED, "Q8_0 is the one 8-bit format");
     for (int half = 0; half < 2; ++half) {
       sg[half] = _mm256_loadu_si256((const __m256i*)(tile + 64 * g + 32 * half));
       // VNNI: w + 128 (the top bit flipped), the sums starting from -128 * bsum (QActs::off128);
@@ -130,7 +135,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
   // per chunk, where the stored w alone would take more chunks (Q6_K, Q5_0; the nibble formats
   // with an offset, Q4_0 and Q3_K, take a whole sub per chunk as they are, and start from the
   // offset's term); see centered_offset.
-  constexpr int WMAX = NIB ? 15 : HB ? (16 << HB) - 1 : 128;
+  constexpr int WMAX = SIGNED ? 128 : NIB ? 15 : HB ? (16 << HB) - 1 : 128;
   constexpr bool CENTER = kInt16Sums && OFF > 0 && int16_chunk(WMAX, GPS) < GPS && int16_chunk(OFF, GPS) == GPS;
   constexpr int CH = CENTER ? GPS : kInt16Sums ? int16_chunk(WMAX, GPS) : 1;
   for (int c = 0; c < count; ++c) {
@@ -148,7 +153,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         // An offset format starts from the offset's term, -o * bsum_j (QActs::offset_term),
-        // instead of subtracting it after the dot products, and on AVX-VNNI the 8-bit formats,
+        // instead of subtracting it after the dot products, and on AVX-VNNI the signed formats,
         // read as w + 128, from -128 * bsum_j (off128); AVX2 centers the int16 lanes of Q6_K and
         // Q5_0 instead (centered_offset).
         if constexpr (SIGNED && !kInt16Sums) {
