@@ -26,9 +26,13 @@ static inline __m512i high_bits(__m512i h) {
 // Groups g and g + 1 of a tile superblock as dpbusd's unsigned operand: both nibbles of one
 // 64-byte load (4-bit formats; with HB, joined with their high bits), or two loads (Q8_0, as
 // w + 128). G: the superblock's groups.
-template <bool NIB, int HB, bool SIGNED, int G, int GI>  // GI: g % (8 / HB), a constant
+template <int NIB, int HB, bool SIGNED, int G, int GI>  // GI: g % (8 / HB), a constant
 static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* w1) {
-  if constexpr (NIB || HB) {
+  if constexpr (NIB == 2) {  // Q2_K: block g / 4, group g at bits 2 (g % 4) (GI % 4 == g % 4)
+    const __m512i v = _mm512_loadu_si512(tile + 64 * (g / 4));
+    *w0 = _mm512_and_si512(_mm512_srli_epi16(v, 2 * (GI % 4)), _mm512_set1_epi8(3));
+    *w1 = _mm512_and_si512(_mm512_srli_epi16(v, 2 * ((GI + 1) % 4)), _mm512_set1_epi8(3));
+  } else if constexpr (NIB || HB) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     const __m512i v = _mm512_loadu_si512(tile + 32 * g);  // byte block g / 2
     *w0 = _mm512_and_si512(v, low);
@@ -66,7 +70,7 @@ static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
 // R rows at once, reading the weights straight from the packed tile: each pair of groups is
 // loaded (and its nibbles split) once for the R rows, and the R independent dpbusd chains hide
 // the instruction's latency.
-template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, int R>
+template <int KB, int SUB, int NIB, int HB, bool SIGNED, int OFF, bool FPOFF, int R>
 static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int count, const QActs& a, int64_t s0,
                        float* acc, int64_t m0, PrefetchQueue& pq) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4;
@@ -144,7 +148,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (m0 + r) * kTile, y[r]);
 }
 
-template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF>
+template <int KB, int SUB, int NIB, int HB, bool SIGNED, int OFF, bool FPOFF>
 static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, const QActs& a, int64_t s, float* acc) {
   // Blocks of 8 rows, and the rest in one block: up to 12 rows fit the 32 zmm registers (12
   // accumulators, 12 sums, the weights), so a 9-row verify pass is one block, not 8 + 1 (a lone

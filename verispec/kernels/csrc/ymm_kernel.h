@@ -68,9 +68,14 @@ static inline __m256i bcast4(const int8_t* p) { return _mm256_castps_si256(_mm25
 // The weights of group g of a tile superblock (G groups), columns 0-7 in w[0] and 8-15 in w[1],
 // as the dot product's unsigned operand (Q8_0, IQ4: the magnitudes, the signs in sg). GI: the group's
 // place in its high block, g % (8 / HB), a constant so that the shifts are immediates.
-template <bool NIB, int HB, bool SIGNED, int G, int GI>
+template <int NIB, int HB, bool SIGNED, int G, int GI>
 static inline void group_weights(const uint8_t* tile, int g, __m256i* w, __m256i* sg) {
-  if constexpr (NIB || HB) {
+  if constexpr (NIB == 2) {  // Q2_K: block g / 4, group g at bits 2 (g % 4) (GI % 4 == g % 4)
+    for (int half = 0; half < 2; ++half) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(tile + 64 * (g / 4) + 32 * half));
+      w[half] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (GI % 4)), _mm256_set1_epi8(3));
+    }
+  } else if constexpr (NIB || HB) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     for (int half = 0; half < 2; ++half) {
       const __m256i v = _mm256_loadu_si256((const __m256i*)(tile + 64 * (g / 2) + 32 * half));
@@ -127,7 +132,7 @@ static inline const int32_t& centered_offset(const QActs& a, int64_t m, int64_t 
 // for the R rows (MADE: read from made, where make_weights put them for every block); the int32
 // sums of a sub stay in registers (2 R of them), the fp32 accumulators in acc. scales: the
 // superblock's dl and ml when the caller unpacked them (count 1), else null.
-template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, int R, bool MADE>
+template <int KB, int SUB, int NIB, int HB, bool SIGNED, int OFF, bool FPOFF, int R, bool MADE>
 static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int count, const QActs& a, int64_t s0,
                        float* acc, int64_t m0, PrefetchQueue& pq, const Unpacked* scales, const __m256i* made) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4, G = KB / 4, PER = HB ? 8 / HB : 8;
@@ -135,7 +140,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
   // per chunk, where the stored w alone would take more chunks (Q6_K, Q5_0; the nibble formats
   // with an offset, Q4_0 and Q3_K, take a whole sub per chunk as they are, and start from the
   // offset's term); see centered_offset.
-  constexpr int WMAX = SIGNED ? 128 : NIB ? 15 : HB ? (16 << HB) - 1 : 128;
+  constexpr int WMAX = SIGNED ? 128 : NIB == 2 ? 3 : NIB ? 15 : HB ? (16 << HB) - 1 : 128;
   constexpr bool CENTER = kInt16Sums && OFF > 0 && int16_chunk(WMAX, GPS) < GPS && int16_chunk(OFF, GPS) == GPS;
   constexpr int CH = CENTER ? GPS : kInt16Sums ? int16_chunk(WMAX, GPS) : 1;
   for (int c = 0; c < count; ++c) {
@@ -238,7 +243,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
 
 // The weights of count consecutive tile superblocks (count * KB / 4 <= 64 groups), as group_weights
 // makes them: group g of superblock c at made[2 (c G + g)] (columns 0-7) and the next (8-15).
-template <int KB, bool NIB, int HB, bool SIGNED>
+template <int KB, int NIB, int HB, bool SIGNED>
 static inline void make_weights(const FormatInfo& f, const uint8_t* tile0, int count, __m256i* made) {
   constexpr int G = KB / 4, PER = HB ? 8 / HB : 8;
   for (int c = 0; c < count; ++c) {
@@ -262,7 +267,7 @@ static inline void make_weights(const FormatInfo& f, const uint8_t* tile0, int c
 
 // The rows in blocks of at most 4, as even as possible (9 rows: 3 + 3 + 3), since a block's
 // cost per row falls with its size. made: the weights made once for all the blocks, or null.
-template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, bool MADE>
+template <int KB, int SUB, int NIB, int HB, bool SIGNED, int OFF, bool FPOFF, bool MADE>
 static void row_blocks(int fmt, const FormatInfo& f, const uint8_t* tile, int count, const QActs& a, int64_t s,
                        float* acc, PrefetchQueue& pq, const Unpacked* scales, const __m256i* made) {
   int64_t m = 0;
@@ -285,7 +290,7 @@ static void row_blocks(int fmt, const FormatInfo& f, const uint8_t* tile, int co
 // the unpacking in the block (made once, 9 rows of Q4_K were slower; 16 to 64 rows of Q4_K, Q6_K
 // and Q5_0 faster: docs/kernels.md, Dispatch per ISA). Q8_0's weights take one instruction to
 // make and keep their own path.
-template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF>
+template <int KB, int SUB, int NIB, int HB, bool SIGNED, int OFF, bool FPOFF>
 static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, const QActs& a, int64_t s, float* acc) {
   PrefetchQueue& pq = thread_prefetch_queue();
   Unpacked u;
