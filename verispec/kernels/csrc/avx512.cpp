@@ -16,11 +16,11 @@ namespace verispec {
 // The high bits of group g (HB of them, HB > 0: Q6_K 2, Q5_0 1) moved to bits 4 and up of each
 // byte, from a high-bit block h (see the layout in qgemm.h). The shifts are 16-bit; the mask
 // drops what crosses from the neighbouring byte.
-template <int HB, int GI>  // GI: the group's place in its high block, g % (8 / HB)
+template <int HB, int GI, int TO = 4>  // GI: the group's place in its high block, g % (8 / HB)
 static inline __m512i high_bits(__m512i h) {
-  constexpr int sh = 4 - HB * GI;
+  constexpr int sh = TO - HB * GI;
   const __m512i v = sh > 0 ? _mm512_slli_epi16(h, sh) : sh < 0 ? _mm512_srli_epi16(h, -sh) : h;
-  return _mm512_and_si512(v, _mm512_set1_epi8((char)(((1 << HB) - 1) << 4)));
+  return _mm512_and_si512(v, _mm512_set1_epi8((char)(((1 << HB) - 1) << TO)));
 }
 
 // Groups g and g + 1 of a tile superblock as dpbusd's unsigned operand: both nibbles of one
@@ -28,10 +28,15 @@ static inline __m512i high_bits(__m512i h) {
 // w + 128). G: the superblock's groups.
 template <int NIB, int HB, bool SIGNED, int G, int GI>  // GI: g % (8 / HB), a constant
 static inline void group_pair(const uint8_t* tile, int g, __m512i* w0, __m512i* w1) {
-  if constexpr (NIB == 2) {  // Q2_K: block g / 4, group g at bits 2 (g % 4) (GI % 4 == g % 4)
+  if constexpr (NIB == 2) {  // Q2_K, Q3_K: block g / 4, group g at bits 2 (g % 4) (GI % 4 == g % 4)
     const __m512i v = _mm512_loadu_si512(tile + 64 * (g / 4));
     *w0 = _mm512_and_si512(_mm512_srli_epi16(v, 2 * (GI % 4)), _mm512_set1_epi8(3));
     *w1 = _mm512_and_si512(_mm512_srli_epi16(v, 2 * ((GI + 1) % 4)), _mm512_set1_epi8(3));
+    if constexpr (HB > 0) {  // Q3_K's third bit, moved to bit 2
+      const __m512i h = _mm512_loadu_si512(tile + G / 4 * 64 + g / (8 / HB) * 64);
+      *w0 = _mm512_or_si512(*w0, high_bits<HB, GI, 2>(h));
+      *w1 = _mm512_or_si512(*w1, high_bits<HB, GI + 1, 2>(h));
+    }
   } else if constexpr (NIB || HB) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     const __m512i v = _mm512_loadu_si512(tile + 32 * g);  // byte block g / 2
@@ -110,10 +115,11 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
     for (int gg = 0; gg < GPS; gg += 2) {  // GPS is a multiple of P, so g % P == gg % P
       const int g = j * GPS + gg;
       __m512i w0, w1;
-      // the group's place in its high block is gg % per (GPS is a multiple of per), a constant
-      // once the loop is unrolled; spelled as a switch so that the shifts are immediates
+      // the group's place in its high block, g % per: gg % per where GPS is a multiple of per, a
+      // constant once the loop is unrolled (Q3_K's high blocks span two subs); spelled as a
+      // switch so that the shifts are immediates
       constexpr int per = HB ? 8 / HB : 8;
-      switch (gg % per) {
+      switch ((GPS % per == 0 ? gg : g) % per) {
         case 0: group_pair<NIB, HB, SIGNED, KB / 4, 0>(tile, g, &w0, &w1); break;
         case 2: group_pair<NIB, HB, SIGNED, KB / 4, 2>(tile, g, &w0, &w1); break;
         case 4: group_pair<NIB, HB, SIGNED, KB / 4, 4>(tile, g, &w0, &w1); break;

@@ -24,7 +24,7 @@
 //   Q2_K  KB 256, 16 subs of 16: as Q4_K, w of 2 bits, 4-bit sc and mn
 //   Q6_K  KB 256, 16 subs of 16: weight = (d*sc)*(w-32)        dl = d*sc, o = 32
 //   Q3_K  KB 256, 16 subs of 16: weight = (d*sc)*(w-4)         dl = d*sc (sc = 6-bit - 32), o = 4;
-//                                w = 2 low bits | hmask bit << 2 (stored as nibbles)
+//                                w = 2 low bits | hmask bit << 2
 //   IQ4_XS KB 256, 8 subs of 32: weight = (d*sc)*w             dl = d*sc (sc = 6-bit - 32);
 //                                w = kvalues[nibble] (int8), the nibble stored
 //   Q5_0  KB 32, one sub:        weight = d*(w-16)             dl = d, o = 16
@@ -33,16 +33,15 @@
 //   Q5_1  KB 32, one sub:        as Q4_1, w of 4+1 bits
 //   Q8_0  KB 32, one sub:        weight = d*w  (w int8)        dl = d
 //   IQ4_NL KB 32, one sub:       as Q8_0, w = kvalues[nibble] (int8), the nibble stored
-// Q3_K is stored wider than the file's bits, as nibbles: the row loops run it unchanged, at 1.33
-// times the file's bytes. The IQ4 formats store the file's nibbles,
-// which the SIMD loops turn into their int8 values in registers (one byte shuffle per group).
+// The IQ4 formats store the file's nibbles, which the SIMD loops turn into their int8 values in
+// registers (one byte shuffle per group).
 //
 // Packed layout. Columns are grouped in tiles of 16; a weight is stored as
 // [N/16 tiles][K/KB superblocks][tile bytes], so one thread reads one contiguous stream per tile.
 // One tile superblock, with G = KB/4 groups of 4 consecutive k:
 //
 //   weights   8-bit formats (Q8_0): G x [16 cols][4 k] bytes  (byte = w[4g + j] of column c)
-//             4-bit formats (Q4_K, Q4_0, Q4_1, IQ4_NL, IQ4_XS; Q3_K widened): G/2 x
+//             4-bit formats (Q4_K, Q4_0, Q4_1, IQ4_NL, IQ4_XS): G/2 x
 //             [16 cols][4 k] bytes, low nibble group 2h, high nibble 2h + 1
 //             (both nibbles of a byte in one sub, so one load feeds two groups of the same sub)
 //             Q6_K, Q5_0, Q5_1, Q5_K (4+2 and 4+1 bits, hb high bits): the low 4 bits as the 4-bit
@@ -50,8 +49,9 @@
 //             per = 8/hb groups, group g in block g / per at bits hb * (g % per) and up (so a
 //             Q6_K sub of 16 k, groups 4j..4j+3, is nibble blocks 2j, 2j + 1 and high block j;
 //             Q5_0's 8 groups share one high block, as each Q5_K sub's)
-//             Q2_K (2 bits): G/4 x [16 cols][4 k] bytes, block h holding groups 4h..4h + 3 (one
-//             sub of 16), group g at bits 2 (g % 4) and up
+//             Q2_K, Q3_K (2 and 2+1 bits): G/4 x [16 cols][4 k] bytes, block h holding groups
+//             4h..4h + 3 (one sub of 16), group g at bits 2 (g % 4) and up; then Q3_K's third
+//             bits as the high bits above (hb = 1: a block per 8 groups, two subs)
 //   scales    Q4_K, Q5_K: sc[8][16] u8, then mn[8][16] u8;  Q2_K: sc[16][16] u8, then mn[16][16] u8;
 //             Q6_K, Q3_K: sc[16][16] int8;  IQ4_XS: sc[8][16] int8;  others: none
 //   d         [16] fp16 (the file's own bits)
@@ -86,13 +86,13 @@ struct FormatInfo {  // (field order: the initialisers in format_info)
   bool signed_w;     // weights are int8: Q8_0's bytes, or IQ4's nibbles indexing kIq4Values
   bool int_scales;   // per-sub integer scales stored (the K-quants, IQ4_XS)
   bool stores_dmin;  // a second fp16 per column (the K-quants' dmin, Q4_1's and Q5_1's m)
-  bool crumbs;       // 2-bit storage (Q2_K)
+  bool crumbs;       // 2-bit storage (Q2_K; Q3_K with hbits 1): the low plane, then any high bits
 
   int groups() const { return kb / 4; }
   int nsub() const { return kb / sub; }
   int weight_bytes() const {
-    return crumbs ? groups() / 4 * 64 : nibbles ? groups() / 2 * 64
-           : hbits ? groups() / 2 * 64 + groups() * hbits / 8 * 64 : groups() * 64;
+    const int low = crumbs ? groups() / 4 * 64 : nibbles || hbits ? groups() / 2 * 64 : groups() * 64;
+    return low + groups() * hbits / 8 * 64;
   }
   int scale_bytes() const { return int_scales ? (stores_dmin ? 2 : 1) * nsub() * 16 : 0; }
   int tile_bytes() const { return weight_bytes() + scale_bytes() + 32 + (stores_dmin ? 32 : 0); }
@@ -180,8 +180,8 @@ static inline bool amx_runs(int fmt) {
 
 
 // The per-format constants of the SIMD row loops (AVX512, the 256-bit ones), as template
-// arguments: superblock KB, sub SUB, low-plane bits NIB (4: nibbles, 2: Q2_K's crumbs, 0: 8-bit
-// weights, or nibbles joined with HB > 0 high bits), high bits HB, signed weights SIGNED,
+// arguments: superblock KB, sub SUB, low-plane bits NIB (4: nibbles, 2: Q2_K's and Q3_K's crumbs,
+// 0: 8-bit weights, or nibbles joined with HB > 0 high bits), high bits HB, signed weights SIGNED,
 // integer offset OFF, fp offset FPOFF. with_format calls f with the format's set.
 template <int KB_, int SUB_, int NIB_, int HB_, bool SIGNED_, int OFF_, bool FPOFF_>
 struct FormatArgs {
@@ -195,7 +195,7 @@ static inline void with_format(int fmt, F&& f) {
     case Q5_K: f(FormatArgs<256, 32, 0, 1, false, 0, true>{}); break;
     case Q2_K: f(FormatArgs<256, 16, 2, 0, false, 0, true>{}); break;
     case Q6_K: f(FormatArgs<256, 16, 0, 2, false, 32, false>{}); break;
-    case Q3_K: f(FormatArgs<256, 16, 4, 0, false, 4, false>{}); break;
+    case Q3_K: f(FormatArgs<256, 16, 2, 1, false, 4, false>{}); break;
     case IQ4_XS: f(FormatArgs<256, 32, 4, 0, true, 0, false>{}); break;
     case Q5_0: f(FormatArgs<32, 32, 0, 1, false, 16, false>{}); break;
     case Q4_0: f(FormatArgs<32, 32, 4, 0, false, 8, false>{}); break;

@@ -14,7 +14,7 @@ bool format_info(int fmt, FormatInfo* out) {
     case Q5_K: *out = {256, 32, 176, false, 1, false, true, true}; return true;
     case Q2_K: *out = {256, 16, 84, false, 0, false, true, true, true}; return true;
     case Q6_K: *out = {256, 16, 210, false, 2, false, true, false}; return true;
-    case Q3_K: *out = {256, 16, 110, true, 0, false, true, false}; return true;
+    case Q3_K: *out = {256, 16, 110, false, 1, false, true, false, true}; return true;
     case IQ4_XS: *out = {256, 32, 136, true, 0, true, true, false}; return true;
     case Q5_0: *out = {32, 32, 22, false, 1, false, false, false}; return true;
     case Q4_0: *out = {32, 32, 18, true, 0, false, false, false}; return true;
@@ -191,6 +191,8 @@ void write_tile(const FormatInfo& f, const Decoded* cols, uint8_t* tile) {
         const uint8_t v = (uint8_t)cols[c].q[4 * g + j];
         if (f.crumbs) {
           tile[g / 4 * 64 + 4 * c + j] |= (uint8_t)((v & 3) << (2 * (g % 4)));
+          const int per = f.hbits ? 8 / f.hbits : 1;
+          if (f.hbits) tile[G / 4 * 64 + g / per * 64 + 4 * c + j] |= (uint8_t)((v >> 2) << (f.hbits * (g % per)));
         } else if (f.nibbles || f.hbits) {
           tile[g / 2 * 64 + 4 * c + j] |= (uint8_t)((v & 0xf) << (4 * (g % 2)));
           const int per = f.hbits ? 8 / f.hbits : 1;
@@ -236,7 +238,12 @@ static inline float ml_of(const FormatInfo& f, int fmt, const uint8_t* tile, int
 
 static inline int32_t weight_at(const FormatInfo& f, const uint8_t* tile, int k, int c) {
   const int G = f.groups(), g = k / 4, j = k % 4;
-  if (f.crumbs) return (tile[(g / 4) * 64 + 4 * c + j] >> (2 * (g % 4))) & 3;
+  if (f.crumbs) {
+    const int32_t low = (tile[(g / 4) * 64 + 4 * c + j] >> (2 * (g % 4))) & 3;
+    if (!f.hbits) return low;
+    const int per = 8 / f.hbits;
+    return low | ((tile[G / 4 * 64 + g / per * 64 + 4 * c + j] >> (f.hbits * (g % per))) & ((1 << f.hbits) - 1)) << 2;
+  }
   if (f.nibbles || f.hbits) {
     const uint8_t b = tile[(g / 2) * 64 + 4 * c + j];
     const int32_t low = g % 2 == 0 ? (b & 0xf) : (b >> 4);

@@ -70,10 +70,16 @@ static inline __m256i bcast4(const int8_t* p) { return _mm256_castps_si256(_mm25
 // place in its high block, g % (8 / HB), a constant so that the shifts are immediates.
 template <int NIB, int HB, bool SIGNED, int G, int GI>
 static inline void group_weights(const uint8_t* tile, int g, __m256i* w, __m256i* sg) {
-  if constexpr (NIB == 2) {  // Q2_K: block g / 4, group g at bits 2 (g % 4) (GI % 4 == g % 4)
+  if constexpr (NIB == 2) {  // Q2_K, Q3_K: block g / 4, group g at bits 2 (g % 4) (GI % 4 == g % 4)
     for (int half = 0; half < 2; ++half) {
       const __m256i v = _mm256_loadu_si256((const __m256i*)(tile + 64 * (g / 4) + 32 * half));
       w[half] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (GI % 4)), _mm256_set1_epi8(3));
+      if constexpr (HB > 0) {  // Q3_K's third bit, moved to bit 2
+        constexpr int sh = 2 - HB * GI;
+        const __m256i h = _mm256_loadu_si256((const __m256i*)(tile + G / 4 * 64 + 64 * (g / (8 / HB)) + 32 * half));
+        const __m256i hs = sh > 0 ? _mm256_slli_epi16(h, sh) : sh < 0 ? _mm256_srli_epi16(h, -sh) : h;
+        w[half] = _mm256_or_si256(w[half], _mm256_and_si256(hs, _mm256_set1_epi8((char)(((1 << HB) - 1) << 2))));
+      }
     }
   } else if constexpr (NIB || HB) {
     const __m256i low = _mm256_set1_epi8(0x0f);
@@ -140,7 +146,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
   // per chunk, where the stored w alone would take more chunks (Q6_K, Q5_0; the nibble formats
   // with an offset, Q4_0 and Q3_K, take a whole sub per chunk as they are, and start from the
   // offset's term); see centered_offset.
-  constexpr int WMAX = SIGNED ? 128 : NIB == 2 ? 3 : NIB ? 15 : HB ? (16 << HB) - 1 : 128;
+  constexpr int WMAX = SIGNED ? 128 : NIB == 2 ? (4 << HB) - 1 : NIB ? 15 : HB ? (16 << HB) - 1 : 128;
   constexpr bool CENTER = kInt16Sums && OFF > 0 && int16_chunk(WMAX, GPS) < GPS && int16_chunk(OFF, GPS) == GPS;
   constexpr int CH = CENTER ? GPS : kInt16Sums ? int16_chunk(WMAX, GPS) : 1;
   for (int c = 0; c < count; ++c) {
@@ -177,13 +183,13 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
           for (int r = 0; r < R; ++r) t0[r] = t1[r] = _mm256_setzero_si256();
         }
 #pragma GCC unroll 8
-        for (int gg = c0; gg < c0 + CH; ++gg) {  // GPS is a multiple of PER, so gg % PER == g % PER
+        for (int gg = c0; gg < c0 + CH; ++gg) {
           const int g = j * GPS + gg;
           __m256i w[2], sg[2];
           if constexpr (MADE) {
             w[0] = _mm256_load_si256(made + 2 * (c * G + g));
             w[1] = _mm256_load_si256(made + 2 * (c * G + g) + 1);
-          } else switch (gg % PER) {
+          } else switch ((GPS % PER == 0 ? gg : g) % PER) {  // a constant where GPS is a multiple of PER
 #define VERISPEC_GROUP(I) \
             case I: group_weights<NIB, HB, SIGNED, G, I>(tile, g, w, sg); break;
             VERISPEC_GROUP(0) VERISPEC_GROUP(1) VERISPEC_GROUP(2) VERISPEC_GROUP(3)
