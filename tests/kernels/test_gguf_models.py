@@ -162,3 +162,68 @@ def test_repacked_weights_are_cached_and_mapped_back(tmp_path, monkeypatch):
     c = [m for m in third.modules() if isinstance(m, NativeLinear)]
     assert all(torch.equal(p.data, q.data) for x, y in zip(a, c) for p, q in zip(x.parts, y.parts))
     assert json.loads((cached / "index.json").read_text())  # written again, whole
+
+
+def _retyped_copy(src: Path, dst: Path, retype: dict[str, str], seed: int = 0) -> None:
+    """A copy of the GGUF at ``src`` with the named 2-D tensors replaced by random blocks of other
+    types (every byte below 64, so every fp16 field is finite)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, arch=reader.get_field("general.architecture").contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    tensors = []
+    for t in reader.tensors:
+        data, qtype = t.data, t.tensor_type
+        if t.name in retype:
+            qtype = GGMLQuantizationType[retype[t.name]]
+            k, n = (int(d) for d in t.shape)
+            block, nbytes = gguf.constants.GGML_QUANT_SIZES[qtype]
+            data = rng.integers(0, 64, size=(n, k // block * nbytes), dtype=np.uint8)
+        writer.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, qtype)
+        tensors.append(data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for data in tensors:
+        writer.write_tensor_data(data)
+    writer.close()
+
+
+def test_tensors_in_every_kernel_format_load_as_native_layers(tmp_path):
+    """A file holding the formats no bundled model has (SmolLM2's tensors retyped) loads with no
+    dense layer left, each weight the file's own (gguf's dequantization, bit for bit)."""
+    from verispec.models.native import use_gguf_weights_
+
+    name = "smollm2-135m-instruct"
+    # hidden 576 takes the 32-wide formats; the down projections (k = 1536) the 256-wide ones
+    retype = {"blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q5_1", "blk.0.attn_v.weight": "IQ4_NL",
+              "blk.0.ffn_down.weight": "Q5_K", "blk.1.ffn_down.weight": "Q3_K", "blk.2.ffn_down.weight": "Q2_K",
+              "blk.3.ffn_down.weight": "IQ4_XS"}
+    path = tmp_path / "retyped.gguf"
+    _retyped_copy(fetch(name, progress=False), path, retype)
+    model = load_model(name, progress=False, quantization="none").model
+    assert use_gguf_weights_(model, path, keep_dense=False, cache=False) == 0
+    header = read_gguf_header(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    infos = {t.name: t for t in header.tensors}
+    layers = {"blk.0.attn_q.weight": (model.layers[0].qkv, 0), "blk.0.attn_k.weight": (model.layers[0].qkv, 1),
+              "blk.0.attn_v.weight": (model.layers[0].qkv, 2)}
+    layers |= {f"blk.{i}.ffn_down.weight": (model.layers[i].down, 0) for i in range(4)}
+    for tensor, fmt in retype.items():
+        layer, i = layers[tensor]
+        assert isinstance(layer, NativeLinear) and layer.parts[i].fmt == kernels.FORMATS[fmt], tensor
+        if tensor in ("blk.0.attn_q.weight", "blk.0.attn_k.weight"):  # rows permuted for llama (native.py)
+            continue
+        info = infos[tensor]
+        n, k = info.shape
+        raw = np.array(data[info.offset : info.offset + info.nbytes]).reshape(n, -1)
+        theirs = quants.dequantize(raw, GGMLQuantizationType[fmt]).reshape(n, k)
+        ours = kernels.dequantize(layer.parts[i]).numpy()
+        assert ours.view(np.uint32).tobytes() == theirs.view(np.uint32).tobytes(), tensor

@@ -32,7 +32,8 @@ def test_kernels_build_wherever_a_compiler_is():
 
 
 # byte offsets of the fp16 scale fields in one GGUF block, per format
-_FP16_FIELDS = {"Q4_K": (0, 2), "Q6_K": (208,), "Q5_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,)}
+_FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q2_K": (80, 82), "Q6_K": (208,), "Q3_K": (108,), "IQ4_XS": (0,),
+                "Q5_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,)}
 
 
 def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -73,7 +74,7 @@ def test_repacked_weight_equals_gguf_dequantization(fmt):
 @needs_kernels
 def test_rows_are_bit_identical_for_every_row_count_thread_count_and_isa(fmt):
     # 32-wide formats run 8 superblocks per kernel call: 19 of them leave a group of 3
-    n, k = 64, (512 if fmt in ("Q4_K", "Q6_K") else 19 * 32)
+    n, k = 64, (512 if GGML_QUANT_SIZES[GGMLQuantizationType[fmt]][0] == 256 else 19 * 32)
     w = kernels.repack(FORMATS[fmt], random_blocks(fmt, n, k, seed=1), n, k)
     x = torch.randn(33, k, generator=torch.Generator().manual_seed(2)) * 3
     # the definition: each row alone, through the scalar reference, on one thread

@@ -49,7 +49,10 @@ CFLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp")
 HEADERS = ("qgemm.h", "ymm_kernel.h", "scales512.h", "pool.h", "attention.h", "attention_simd.h")
 ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 4, "avx512": 2, "amx": 3}
 # ggml type ids of the formats the kernels run (GGMLQuantizationType values)
-FORMATS = {"Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
+           "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
+# the superblock (GGUF block) size per format: input features come in multiples of it
+_SUPERBLOCK = {fmt: 256 if name.endswith("_K") or name == "IQ4_XS" else 32 for name, fmt in FORMATS.items()}
 TILE = 16  # output columns per packed tile
 
 
@@ -204,7 +207,7 @@ def check_format(fmt: int, n: int, k: int) -> None:
     """Raise :class:`KernelError` unless the kernels can run a [n, k] weight of type ``fmt``."""
     if fmt not in FORMATS.values():
         raise KernelError(f"GGUF type {fmt} is not run by the native kernels (they run {', '.join(FORMATS)})")
-    kb = 256 if fmt in (FORMATS["Q4_K"], FORMATS["Q6_K"]) else 32
+    kb = _SUPERBLOCK[fmt]
     if n % TILE or k % kb:
         raise KernelError(
             f"a {format_name(fmt)} weight of shape [{n}, {k}] cannot be run: the kernels need output "

@@ -171,7 +171,7 @@ void superblock_amx(int fmt, const FormatInfo& f, const uint8_t* tile0, const QA
   else if (f.hbits) unpack_high(f, tile, int_offset(fmt), u.w);
   else w = tile;  // Q8_0
   unpack_scales(fmt, f, tile, &u);
-  switch (fmt) {
+  switch (fmt) {  // the formats of amx_runs (qgemm.h); ops.cpp sends no other here
     case Q4_K: run<256, 32, false, true>(w, u, a, s, acc, pq); break;
     case Q6_K: run<256, 16, true, false>(w, u, a, s, acc, pq); break;
     case Q5_0: run<32, 32, true, false>(w, u, a, s, acc, pq); break;

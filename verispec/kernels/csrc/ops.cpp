@@ -339,7 +339,11 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
     for (int64_t t = t0; t < t1; ++t) {
       while (p + 1 < parts.size() && parts[p + 1].tile0 <= t) ++p;
       const Part& part = parts[p];
-      if (use == kAmx && part.f.sub != amx_sub) amx_configure(amx_sub = part.f.sub, (int)std::min<int64_t>(m, 16));
+      // AMX runs the formats amx.cpp handles (amx_runs); a part in another format takes the
+      // AVX512 path, the same bits by the contract (every AMX CPU has AVX512 with VNNI)
+      const bool on_amx = use == kAmx && amx_runs(part.fmt);
+      const SuperblockFn part_fn = use == kAmx && !on_amx ? superblock_avx512 : fn;
+      if (on_amx && part.f.sub != amx_sub) amx_configure(amx_sub = part.f.sub, (int)std::min<int64_t>(m, 16));
       const int64_t nsb = k / part.f.kb, tb = part.f.tile_bytes();
       const int64_t col = part.col0 + (t - part.tile0) * kTile;
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -358,7 +362,7 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
         const uint8_t* next = tile + (s + kPrefetchAhead * group) * tb;
         const int lines = (int)((count * tb + 63) / 64), subs = count * part.f.nsub();
         tl_prefetch = {(const char*)next, (const char*)next + lines * 64, (lines + subs - 1) / subs};
-        fn(part.fmt, part.f, tile + s * tb, a, s, count, acc.data());
+        part_fn(part.fmt, part.f, tile + s * tb, a, s, count, acc.data());
         tl_prefetch.per_step = lines;  // what a path without the per-sub steps left (scalar)
         prefetch_step(tl_prefetch);
       }

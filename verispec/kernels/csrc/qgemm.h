@@ -20,26 +20,42 @@
 // What each format means in these terms (w is the stored integer; the weight is what gguf's
 // dequantization returns; superblock KB is the packing unit):
 //   Q4_K  KB 256, 8 subs of 32:  weight = (d*sc)*w - dmin*mn   dl = d*sc, ml = dmin*mn, o = 0
+//   Q5_K  KB 256, 8 subs of 32:  as Q4_K, w of 4+1 bits
+//   Q2_K  KB 256, 16 subs of 16: as Q4_K, w of 2 bits, 4-bit sc and mn
 //   Q6_K  KB 256, 16 subs of 16: weight = (d*sc)*(w-32)        dl = d*sc, o = 32
+//   Q3_K  KB 256, 16 subs of 16: weight = (d*sc)*(w-4)         dl = d*sc (sc = 6-bit - 32), o = 4;
+//                                w = 2 low bits | hmask bit << 2
+//   IQ4_XS KB 256, 8 subs of 32: weight = (d*sc)*w             dl = d*sc (sc = 6-bit - 32);
+//                                w = kvalues[nibble] (int8), the nibble stored
 //   Q5_0  KB 32, one sub:        weight = d*(w-16)             dl = d, o = 16
+//   Q4_0  KB 32, one sub:        weight = d*(w-8)              dl = d, o = 8
 //   Q4_1  KB 32, one sub:        weight = d*w + m              dl = d, ml = -m
+//   Q5_1  KB 32, one sub:        as Q4_1, w of 4+1 bits
 //   Q8_0  KB 32, one sub:        weight = d*w  (w int8)        dl = d
+//   IQ4_NL KB 32, one sub:       as Q8_0, w = kvalues[nibble] (int8), the nibble stored
+// The IQ4 formats store the file's nibbles, which the SIMD loops turn into their int8 values in
+// registers (one byte shuffle per group).
 //
 // Packed layout. Columns are grouped in tiles of 16; a weight is stored as
 // [N/16 tiles][K/KB superblocks][tile bytes], so one thread reads one contiguous stream per tile.
 // One tile superblock, with G = KB/4 groups of 4 consecutive k:
 //
-//   weights   8-bit formats: G x [16 cols][4 k] bytes        (byte = w[4g + j] of column c)
-//             4-bit formats: G/2 x [16 cols][4 k] bytes, low nibble group 2h, high nibble 2h + 1
+//   weights   8-bit formats (Q8_0): G x [16 cols][4 k] bytes  (byte = w[4g + j] of column c)
+//             4-bit formats (Q4_K, Q4_0, Q4_1, IQ4_NL, IQ4_XS): G/2 x
+//             [16 cols][4 k] bytes, low nibble group 2h, high nibble 2h + 1
 //             (both nibbles of a byte in one sub, so one load feeds two groups of the same sub)
-//             Q6_K and Q5_0 (4+2 and 4+1 bits, hb high bits): the low 4 bits as the 4-bit
+//             Q6_K, Q5_0, Q5_1, Q5_K (4+2 and 4+1 bits, hb high bits): the low 4 bits as the 4-bit
 //             formats, then G*hb/8 x [16 cols][4 k] bytes of the high bits, each block holding
 //             per = 8/hb groups, group g in block g / per at bits hb * (g % per) and up (so a
 //             Q6_K sub of 16 k, groups 4j..4j+3, is nibble blocks 2j, 2j + 1 and high block j;
-//             Q5_0's 8 groups share one high block)
-//   scales    Q4_K: sc[8][16] u8, then mn[8][16] u8;  Q6_K: sc[16][16] int8;  others: none
+//             Q5_0's 8 groups share one high block, as each Q5_K sub's)
+//             Q2_K, Q3_K (2 and 2+1 bits): G/4 x [16 cols][4 k] bytes, block h holding groups
+//             4h..4h + 3 (one sub of 16), group g at bits 2 (g % 4) and up; then Q3_K's third
+//             bits as the high bits above (hb = 1: a block per 8 groups, two subs)
+//   scales    Q4_K, Q5_K: sc[8][16] u8, then mn[8][16] u8;  Q2_K: sc[16][16] u8, then mn[16][16] u8;
+//             Q6_K, Q3_K: sc[16][16] int8;  IQ4_XS: sc[8][16] int8;  others: none
 //   d         [16] fp16 (the file's own bits)
-//   dmin      Q4_K: dmin[16] fp16;  Q4_1: m[16] fp16;  others: none
+//   dmin      Q4_K, Q5_K, Q2_K: dmin[16] fp16;  Q4_1, Q5_1: m[16] fp16;  others: none
 //
 // A group of 4 k for 16 columns is 64 bytes: one zmm, or two ymm (columns 0-7, 8-15), and each
 // 32-bit lane holds one column's 4 consecutive weights, the shape maddubs/dpbusd consume against
@@ -54,8 +70,12 @@
 namespace verispec {
 
 enum Format : int {  // ggml's type ids
-  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q6_K = 14,
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+  IQ4_NL = 20, IQ4_XS = 23,
 };
+
+// IQ4_NL's and IQ4_XS's non-linear 4-bit values (ggml's kvalues_iq4nl).
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 struct FormatInfo {  // (field order: the initialisers in format_info)
   int kb;            // superblock (activation block) size
@@ -63,14 +83,16 @@ struct FormatInfo {  // (field order: the initialisers in format_info)
   int block_bytes;   // bytes of one GGUF block (one KB run of one row)
   bool nibbles;      // 4-bit storage
   int hbits;         // 4+hbits-bit storage (Q6_K 2, Q5_0 1): the nibbles, then the high bits
-  bool signed_w;     // weights are int8 (Q8_0)
-  bool int_scales;   // per-sub integer scales stored (Q4_K, Q6_K)
-  bool stores_dmin;  // a second fp16 per column (Q4_K dmin, Q4_1 m)
+  bool signed_w;     // weights are int8: Q8_0's bytes, or IQ4's nibbles indexing kIq4Values
+  bool int_scales;   // per-sub integer scales stored (the K-quants, IQ4_XS)
+  bool stores_dmin;  // a second fp16 per column (the K-quants' dmin, Q4_1's and Q5_1's m)
+  bool crumbs;       // 2-bit storage (Q2_K; Q3_K with hbits 1): the low plane, then any high bits
 
   int groups() const { return kb / 4; }
   int nsub() const { return kb / sub; }
   int weight_bytes() const {
-    return nibbles ? groups() / 2 * 64 : hbits ? groups() / 2 * 64 + groups() * hbits / 8 * 64 : groups() * 64;
+    const int low = crumbs ? groups() / 4 * 64 : nibbles || hbits ? groups() / 2 * 64 : groups() * 64;
+    return low + groups() * hbits / 8 * 64;
   }
   int scale_bytes() const { return int_scales ? (stores_dmin ? 2 : 1) * nsub() * 16 : 0; }
   int tile_bytes() const { return weight_bytes() + scale_bytes() + 32 + (stores_dmin ? 32 : 0); }
@@ -108,21 +130,33 @@ struct QActs {
   // for Q5_0 (o = 16, subs of 32). Made once per call, so the loop broadcasts it from memory.
   const int32_t* cen16;
   const int32_t* cen32;
-  // The integer offset's term of the contract, -o * bsum_j, made once per call for the two
-  // formats with one: [K / 16][mp] for Q6_K (o = 32, subs of 16) and [K / 32][mp] for Q5_0
-  // (o = 16, subs of 32). The VNNI loops (AVX512, AVX-VNNI) start a sub's sum from it (a load
-  // that broadcasts), where subtracting it after the dot products took two vector instructions
-  // per row and sub.
+  // The integer offset's term of the contract, -o * bsum_j, made once per call: [K / 16][mp] for
+  // o = 32 and subs of 16 (Q6_K) and [K / 32][mp] for o = 16 and subs of 32 (Q5_0). The smaller
+  // offsets of the same sub size are exact fractions of them (offset_term: Q3_K's o = 4 is
+  // off16 / 8, Q4_0's o = 8 is off32 / 2). The VNNI loops (AVX512, AVX-VNNI) start a sub's sum
+  // from it, where subtracting it after the dot products took two vector instructions per row
+  // and sub.
   const int32_t* off16;
   const int32_t* off32;
-  // [K / 32][mp]: -128 * bsum of each block of 32, for Q8_0 read as unsigned bytes (w + 128, by
-  // flipping each byte's top bit) on the VNNI paths: sum (w + 128) q - 128 bsum = sum w q.
+  // [K / 32][mp]: -128 * bsum of each block of 32, for the signed formats read as unsigned bytes
+  // (w + 128, by flipping each byte's top bit) on the VNNI paths: sum (w + 128) q - 128 bsum =
+  // sum w q.
   const int32_t* off128;
 
   const int8_t* qb(int64_t blk, int64_t row) const { return q + (blk * mp + row) * 32; }
-  // -o * bsum of the offset format's sub starting at 16-block i, row m: Q6_K's (sub 16, off16)
-  // or Q5_0's (sub 32, off32).
-  int32_t offset_term(int sub, int64_t i, int64_t m) const { return sub == 16 ? off16[i * mp + m] : off32[i / 2 * mp + m]; }
+  // -OFF * bsum of the sub of SUB k starting at 16-block i, row m: off16 = -32 bs16 and
+  // off32 = -16 bs32 divided exactly (OFF divides their factor).
+  template <int OFF, int SUB>
+  int32_t offset_term(int64_t i, int64_t m) const {
+    static_assert(OFF > 0 && (SUB == 16 ? 32 % OFF : 16 % OFF) == 0, "an offset QActs' arrays divide into");
+    return SUB == 16 ? off16[i * mp + m] / (32 / OFF) : off32[i / 2 * mp + m] / (16 / OFF);
+  }
+  // The fp offset's factor dx * (float)bsum of the sub of SUB k starting at 16-block i, row m:
+  // dxb for subs of 32, made here for subs of 16 (Q2_K), the same fp32 product as the scalar one.
+  template <int SUB>
+  float offset_factor(int64_t i, int64_t m) const {
+    return SUB == 32 ? dxb[i / 2 * mp + m] : dx[i / 2 * mp + m] * (float)bs[i * mp + m];
+  }
   // The sum of q over sub j (of size sub) of superblock s (of size kb), row m.
   int32_t bsum(int64_t m, int64_t s, int kb, int j, int sub) const {
     const int64_t i = s * (kb / 16) + j * (sub / 16);
@@ -131,27 +165,44 @@ struct QActs {
 };
 
 // The per-format constants of the contract.
-static inline int int_offset(int fmt) { return fmt == 14 ? 32 : fmt == 6 ? 16 : 0; }  // Q6_K, Q5_0
-static inline bool has_fp_offset(int fmt) { return fmt == 12 || fmt == 3; }          // Q4_K, Q4_1
+static inline int int_offset(int fmt) {
+  return fmt == Q6_K ? 32 : fmt == Q5_0 ? 16 : fmt == Q4_0 ? 8 : fmt == Q3_K ? 4 : 0;
+}
+static inline bool has_fp_offset(int fmt) {
+  return fmt == Q4_K || fmt == Q5_K || fmt == Q2_K || fmt == Q4_1 || fmt == Q5_1;
+}
+// The formats the AMX path runs (amx.cpp); ops.cpp sends the others to the AVX512 path, which
+// gives the same bits by the contract.
+static inline bool amx_runs(int fmt) {
+  return fmt == Q4_K || fmt == Q6_K || fmt == Q5_0 || fmt == Q4_1 || fmt == Q8_0;
+}
 
 
 
 // The per-format constants of the SIMD row loops (AVX512, the 256-bit ones), as template
-// arguments: superblock KB, sub SUB, 4-bit storage NIB, high bits HB, signed weights SIGNED,
+// arguments: superblock KB, sub SUB, low-plane bits NIB (4: nibbles, 2: Q2_K's and Q3_K's crumbs,
+// 0: 8-bit weights, or nibbles joined with HB > 0 high bits), high bits HB, signed weights SIGNED,
 // integer offset OFF, fp offset FPOFF. with_format calls f with the format's set.
-template <int KB_, int SUB_, bool NIB_, int HB_, bool SIGNED_, int OFF_, bool FPOFF_>
+template <int KB_, int SUB_, int NIB_, int HB_, bool SIGNED_, int OFF_, bool FPOFF_>
 struct FormatArgs {
-  static constexpr int KB = KB_, SUB = SUB_, HB = HB_, OFF = OFF_;
-  static constexpr bool NIB = NIB_, SIGNED = SIGNED_, FPOFF = FPOFF_;
+  static constexpr int KB = KB_, SUB = SUB_, NIB = NIB_, HB = HB_, OFF = OFF_;
+  static constexpr bool SIGNED = SIGNED_, FPOFF = FPOFF_;
 };
 template <class F>
 static inline void with_format(int fmt, F&& f) {
   switch (fmt) {
-    case Q4_K: f(FormatArgs<256, 32, true, 0, false, 0, true>{}); break;
-    case Q6_K: f(FormatArgs<256, 16, false, 2, false, 32, false>{}); break;
-    case Q5_0: f(FormatArgs<32, 32, false, 1, false, 16, false>{}); break;
-    case Q4_1: f(FormatArgs<32, 32, true, 0, false, 0, true>{}); break;
-    case Q8_0: f(FormatArgs<32, 32, false, 0, true, 0, false>{}); break;
+    case Q4_K: f(FormatArgs<256, 32, 4, 0, false, 0, true>{}); break;
+    case Q5_K: f(FormatArgs<256, 32, 0, 1, false, 0, true>{}); break;
+    case Q2_K: f(FormatArgs<256, 16, 2, 0, false, 0, true>{}); break;
+    case Q6_K: f(FormatArgs<256, 16, 0, 2, false, 32, false>{}); break;
+    case Q3_K: f(FormatArgs<256, 16, 2, 1, false, 4, false>{}); break;
+    case IQ4_XS: f(FormatArgs<256, 32, 4, 0, true, 0, false>{}); break;
+    case Q5_0: f(FormatArgs<32, 32, 0, 1, false, 16, false>{}); break;
+    case Q4_0: f(FormatArgs<32, 32, 4, 0, false, 8, false>{}); break;
+    case Q4_1: f(FormatArgs<32, 32, 4, 0, false, 0, true>{}); break;
+    case Q5_1: f(FormatArgs<32, 32, 0, 1, false, 0, true>{}); break;
+    case Q8_0: f(FormatArgs<32, 32, 0, 0, true, 0, false>{}); break;
+    case IQ4_NL: f(FormatArgs<32, 32, 4, 0, true, 0, false>{}); break;
   }
 }
 
@@ -196,9 +247,9 @@ void amx_release();
 
 // A GGUF block decoded to integers (see decode_block).
 struct Decoded {
-  int32_t q[256];            // stored integers, in k order (Q8_0 signed)
+  int32_t q[256];            // stored integers, in k order (Q8_0 signed; IQ4: the nibbles)
   int32_t sc[kMaxSub], mn[kMaxSub];  // raw per-sub scale and min (K-quants)
-  uint16_t d = 0, dmin = 0;  // fp16 bits (dmin: Q4_K dmin, Q4_1 m)
+  uint16_t d = 0, dmin = 0;  // fp16 bits (dmin: the K-quants' dmin, Q4_1's and Q5_1's m)
 };
 void decode_block(int fmt, const uint8_t* block, Decoded* out);
 void write_tile(const FormatInfo& f, const Decoded* cols, uint8_t* tile);  // cols[16]

@@ -3,7 +3,7 @@
 // and high bits joined in registers, as the AVX512 path does), and used for a block of up to 4
 // rows; per row and group one dot product of u8 weights with s8 activations into int32 column
 // lanes, and per sub the fp32 steps of the contract (qgemm.h), on accumulators kept in the
-// caller's acc (L1). Signed weights (Q8_0) move their signs onto the activations with vpsignb
+// caller's acc (L1). Signed weights (Q8_0, IQ4) move their signs onto the activations with vpsignb
 // (AVX2), or are read as w + 128 (AVX-VNNI).
 //
 // The including file sets the instruction set (#pragma GCC target) and defines, before the
@@ -38,18 +38,18 @@ static inline __attribute__((always_inline)) void unpack_scales(int fmt, const F
   for (int h = 0; h < 2; ++h) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 8 * h)));
     switch (fmt) {
-      case Q4_K: {
+      case Q4_K: case Q5_K: case Q2_K: {
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 16 + 8 * h)));
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < f.nsub(); ++j) {
           _mm256_store_ps(u->dl[j] + 8 * h, _mm256_mul_ps(d, u8_as_float(s + 16 * j + 8 * h)));
-          _mm256_store_ps(u->ml[j] + 8 * h, _mm256_mul_ps(dmin, u8_as_float(s + 16 * (8 + j) + 8 * h)));
+          _mm256_store_ps(u->ml[j] + 8 * h, _mm256_mul_ps(dmin, u8_as_float(s + 16 * (f.nsub() + j) + 8 * h)));
         }
         break;
       }
-      case Q6_K:
-        for (int j = 0; j < 16; ++j) _mm256_store_ps(u->dl[j] + 8 * h, _mm256_mul_ps(d, i8_as_float(s + 16 * j + 8 * h)));
+      case Q6_K: case Q3_K: case IQ4_XS:
+        for (int j = 0; j < f.nsub(); ++j) _mm256_store_ps(u->dl[j] + 8 * h, _mm256_mul_ps(d, i8_as_float(s + 16 * j + 8 * h)));
         break;
-      case Q4_1: {  // ml = -m by flipping the sign bit, as the scalar negation does
+      case Q4_1: case Q5_1: {  // ml = -m by flipping the sign bit, as the scalar negation does
         const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 16 + 8 * h)));
         _mm256_store_si256((__m256i*)(u->ml[0] + 8 * h),
                            _mm256_xor_si256(_mm256_castps_si256(m), _mm256_set1_epi32(INT32_MIN)));
@@ -66,11 +66,22 @@ static inline __attribute__((always_inline)) void unpack_scales(int fmt, const F
 static inline __m256i bcast4(const int8_t* p) { return _mm256_castps_si256(_mm256_broadcast_ss((const float*)p)); }
 
 // The weights of group g of a tile superblock (G groups), columns 0-7 in w[0] and 8-15 in w[1],
-// as the dot product's unsigned operand (Q8_0: the magnitudes, the signs in sg). GI: the group's
+// as the dot product's unsigned operand (Q8_0, IQ4: the magnitudes, the signs in sg). GI: the group's
 // place in its high block, g % (8 / HB), a constant so that the shifts are immediates.
-template <bool NIB, int HB, bool SIGNED, int G, int GI>
+template <int NIB, int HB, bool SIGNED, int G, int GI>
 static inline void group_weights(const uint8_t* tile, int g, __m256i* w, __m256i* sg) {
-  if constexpr (NIB || HB) {
+  if constexpr (NIB == 2) {  // Q2_K, Q3_K: block g / 4, group g at bits 2 (g % 4) (GI % 4 == g % 4)
+    for (int half = 0; half < 2; ++half) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(tile + 64 * (g / 4) + 32 * half));
+      w[half] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * (GI % 4)), _mm256_set1_epi8(3));
+      if constexpr (HB > 0) {  // Q3_K's third bit, moved to bit 2
+        constexpr int sh = 2 - HB * GI;
+        const __m256i h = _mm256_loadu_si256((const __m256i*)(tile + G / 4 * 64 + 64 * (g / (8 / HB)) + 32 * half));
+        const __m256i hs = sh > 0 ? _mm256_slli_epi16(h, sh) : sh < 0 ? _mm256_srli_epi16(h, -sh) : h;
+        w[half] = _mm256_or_si256(w[half], _mm256_and_si256(hs, _mm256_set1_epi8((char)(((1 << HB) - 1) << 2))));
+      }
+    }
+  } else if constexpr (NIB || HB) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     for (int half = 0; half < 2; ++half) {
       const __m256i v = _mm256_loadu_si256((const __m256i*)(tile + 64 * (g / 2) + 32 * half));
@@ -80,6 +91,11 @@ static inline void group_weights(const uint8_t* tile, int g, __m256i* w, __m256i
         const __m256i h = _mm256_loadu_si256((const __m256i*)(tile + G / 2 * 64 + 64 * (g / (8 / HB)) + 32 * half));
         const __m256i hs = sh > 0 ? _mm256_slli_epi16(h, sh) : sh < 0 ? _mm256_srli_epi16(h, -sh) : h;
         w[half] = _mm256_or_si256(w[half], _mm256_and_si256(hs, _mm256_set1_epi8((char)(((1 << HB) - 1) << 4))));
+      }
+      if constexpr (SIGNED) {  // IQ4: each nibble picks its int8 value, then as Q8_0's bytes below
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kIq4Values));
+        sg[half] = _mm256_shuffle_epi8(table, w[half]);
+        w[half] = kInt16Sums ? _mm256_abs_epi8(sg[half]) : _mm256_xor_si256(sg[half], _mm256_set1_epi8((char)0x80));
       }
     }
   } else {
@@ -95,8 +111,8 @@ static inline void group_weights(const uint8_t* tile, int g, __m256i* w, __m256i
 
 // Groups whose maddubs results can be added in int16 before one madd widens them (AVX2 only:
 // kInt16Sums): each int16 lane then sums 2 products per group, each at most wmax * 127 in
-// magnitude, so chunk * 2 * wmax * 127 must stay within 32767 for the sum to be exact: Q4_K and
-// Q4_1 (wmax 15) 8 groups, Q5_0 (31) 4, Q6_K (63) 2, Q8_0 (128) 1. The largest such divisor of
+// magnitude, so chunk * 2 * wmax * 127 must stay within 32767 for the sum to be exact: the 4-bit
+// formats (wmax 15) 8 groups, the 4+1-bit ones (31) 4, Q6_K (63) 2, the 8-bit ones (128) 1. The largest such divisor of
 // the groups per sub (gps). Fewer madds: a Q4_K sub takes 16 maddubs, 16 adds and 2 madds per
 // row instead of 16 maddubs, 16 madds and 16 adds.
 constexpr int int16_chunk(int wmax, int gps) {
@@ -114,7 +130,7 @@ constexpr int int16_chunk(int wmax, int gps) {
 // sum q * x - OFF * bsum without the separate offset.
 template <int OFF, int SUB>
 static inline const int32_t& centered_offset(const QActs& a, int64_t m, int64_t i) {
-  static_assert(OFF == (SUB == 16 ? 32 : 16), "the offsets QActs holds: Q6_K's and Q5_0's");
+  static_assert(OFF == (SUB == 16 ? 32 : 16), "the centered offsets QActs holds: Q6_K's and Q5_0's");
   return SUB == 16 ? a.cen16[i * a.mp + m] : a.cen32[i / 2 * a.mp + m];
 }
 
@@ -122,14 +138,17 @@ static inline const int32_t& centered_offset(const QActs& a, int64_t m, int64_t 
 // for the R rows (MADE: read from made, where make_weights put them for every block); the int32
 // sums of a sub stay in registers (2 R of them), the fp32 accumulators in acc. scales: the
 // superblock's dl and ml when the caller unpacked them (count 1), else null.
-template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, int R, bool MADE>
+template <int KB, int SUB, int NIB, int HB, bool SIGNED, int OFF, bool FPOFF, int R, bool MADE>
 static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int count, const QActs& a, int64_t s0,
                        float* acc, int64_t m0, PrefetchQueue& pq, const Unpacked* scales, const __m256i* made) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4, G = KB / 4, PER = HB ? 8 / HB : 8;
   // CENTER: the offset formats' int16 sums are of w - OFF (at most OFF in magnitude), a whole sub
-  // per chunk (Q6_K, Q5_0); see centered_offset.
-  constexpr bool CENTER = kInt16Sums && OFF > 0 && int16_chunk(OFF, GPS) == GPS;
-  constexpr int CH = CENTER ? GPS : kInt16Sums ? int16_chunk(NIB ? 15 : HB ? (16 << HB) - 1 : 128, GPS) : 1;
+  // per chunk, where the stored w alone would take more chunks (Q6_K, Q5_0; the nibble formats
+  // with an offset, Q4_0 and Q3_K, take a whole sub per chunk as they are, and start from the
+  // offset's term); see centered_offset.
+  constexpr int WMAX = SIGNED ? 128 : NIB == 2 ? (4 << HB) - 1 : NIB ? 15 : HB ? (16 << HB) - 1 : 128;
+  constexpr bool CENTER = kInt16Sums && OFF > 0 && int16_chunk(WMAX, GPS) < GPS && int16_chunk(OFF, GPS) == GPS;
+  constexpr int CH = CENTER ? GPS : kInt16Sums ? int16_chunk(WMAX, GPS) : 1;
   for (int c = 0; c < count; ++c) {
     const uint8_t* tile = tile0 + (int64_t)c * f.tile_bytes();
     const int64_t s = s0 + c;
@@ -144,14 +163,14 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
       __m256i i0[R], i1[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        // On AVX-VNNI, an offset format starts from the offset's term, -o * bsum_j (QActs::off16,
-        // off32), instead of subtracting it after the dot products, and Q8_0, read as w + 128,
-        // from -128 * bsum_j (off128); AVX2 centers its int16 lanes instead (centered_offset).
+        // An offset format starts from the offset's term, -o * bsum_j (QActs::offset_term),
+        // instead of subtracting it after the dot products, and on AVX-VNNI the signed formats,
+        // read as w + 128, from -128 * bsum_j (off128); AVX2 centers the int16 lanes of Q6_K and
+        // Q5_0 instead (centered_offset).
         if constexpr (SIGNED && !kInt16Sums) {
           i0[r] = i1[r] = _mm256_set1_epi32(a.off128[blk * a.mp + m0 + r]);
         } else if constexpr (OFF != 0 && !CENTER) {
-          static_assert(OFF == (SUB == 16 ? 32 : 16), "the offsets QActs holds: Q6_K's and Q5_0's");
-          i0[r] = i1[r] = _mm256_set1_epi32(a.offset_term(SUB, s * (KB / 16) + j * (SUB / 16), m0 + r));
+          i0[r] = i1[r] = _mm256_set1_epi32(a.offset_term<OFF, SUB>(s * (KB / 16) + j * (SUB / 16), m0 + r));
         } else {
           i0[r] = i1[r] = _mm256_setzero_si256();
         }
@@ -164,13 +183,13 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
           for (int r = 0; r < R; ++r) t0[r] = t1[r] = _mm256_setzero_si256();
         }
 #pragma GCC unroll 8
-        for (int gg = c0; gg < c0 + CH; ++gg) {  // GPS is a multiple of PER, so gg % PER == g % PER
+        for (int gg = c0; gg < c0 + CH; ++gg) {
           const int g = j * GPS + gg;
           __m256i w[2], sg[2];
           if constexpr (MADE) {
             w[0] = _mm256_load_si256(made + 2 * (c * G + g));
             w[1] = _mm256_load_si256(made + 2 * (c * G + g) + 1);
-          } else switch (gg % PER) {
+          } else switch ((GPS % PER == 0 ? gg : g) % PER) {  // a constant where GPS is a multiple of PER
 #define VERISPEC_GROUP(I) \
             case I: group_weights<NIB, HB, SIGNED, G, I>(tile, g, w, sg); break;
             VERISPEC_GROUP(0) VERISPEC_GROUP(1) VERISPEC_GROUP(2) VERISPEC_GROUP(3)
@@ -217,7 +236,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
         __m256 y0 = _mm256_fmadd_ps(dl0, _mm256_mul_ps(_mm256_cvtepi32_ps(i0[r]), dxj), _mm256_loadu_ps(y));
         __m256 y1 = _mm256_fmadd_ps(dl1, _mm256_mul_ps(_mm256_cvtepi32_ps(i1[r]), dxj), _mm256_loadu_ps(y + 8));
         if (FPOFF) {
-          const __m256 v = _mm256_set1_ps(a.dxb[blk * a.mp + m0 + r]);
+          const __m256 v = _mm256_set1_ps(a.offset_factor<SUB>(s * (KB / 16) + j * (SUB / 16), m0 + r));
           y0 = _mm256_fnmadd_ps(_mm256_load_ps(u.ml[j]), v, y0);
           y1 = _mm256_fnmadd_ps(_mm256_load_ps(u.ml[j] + 8), v, y1);
         }
@@ -230,7 +249,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
 
 // The weights of count consecutive tile superblocks (count * KB / 4 <= 64 groups), as group_weights
 // makes them: group g of superblock c at made[2 (c G + g)] (columns 0-7) and the next (8-15).
-template <int KB, bool NIB, int HB, bool SIGNED>
+template <int KB, int NIB, int HB, bool SIGNED>
 static inline void make_weights(const FormatInfo& f, const uint8_t* tile0, int count, __m256i* made) {
   constexpr int G = KB / 4, PER = HB ? 8 / HB : 8;
   for (int c = 0; c < count; ++c) {
@@ -254,7 +273,7 @@ static inline void make_weights(const FormatInfo& f, const uint8_t* tile0, int c
 
 // The rows in blocks of at most 4, as even as possible (9 rows: 3 + 3 + 3), since a block's
 // cost per row falls with its size. made: the weights made once for all the blocks, or null.
-template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF, bool MADE>
+template <int KB, int SUB, int NIB, int HB, bool SIGNED, int OFF, bool FPOFF, bool MADE>
 static void row_blocks(int fmt, const FormatInfo& f, const uint8_t* tile, int count, const QActs& a, int64_t s,
                        float* acc, PrefetchQueue& pq, const Unpacked* scales, const __m256i* made) {
   int64_t m = 0;
@@ -277,7 +296,7 @@ static void row_blocks(int fmt, const FormatInfo& f, const uint8_t* tile, int co
 // the unpacking in the block (made once, 9 rows of Q4_K were slower; 16 to 64 rows of Q4_K, Q6_K
 // and Q5_0 faster: docs/kernels.md, Dispatch per ISA). Q8_0's weights take one instruction to
 // make and keep their own path.
-template <int KB, int SUB, bool NIB, int HB, bool SIGNED, int OFF, bool FPOFF>
+template <int KB, int SUB, int NIB, int HB, bool SIGNED, int OFF, bool FPOFF>
 static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, const QActs& a, int64_t s, float* acc) {
   PrefetchQueue& pq = thread_prefetch_queue();
   Unpacked u;
