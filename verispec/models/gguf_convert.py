@@ -88,7 +88,14 @@ CONVERSION_VERSION = 1
 
 # GGUF ``general.architecture`` values verispec converts, and the HF architecture each becomes.
 # Mistral models are stored as "llama" in GGUF (llama.cpp runs them without a sliding window).
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                      "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# The HF model_type of each, where it differs from the GGUF name.
+_HF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+# llama.cpp's converter stores Gemma's RMSNorm weights w as 1 + w (it computes x * w); HF keeps w.
+_NORM_SHIFTED = ("gemma3",)
+# Gemma 3's layers: five sliding-window layers, then a global one (llama.cpp's swa pattern).
+_GEMMA3_SWA_PATTERN = 6
 
 _SHARD_BYTES = 2 * 1024**3  # converted weights are written in shards of at most this size
 _INDEX_FILE = "model.safetensors.index.json"
@@ -369,10 +376,7 @@ def _check_gguf_supported(header: GGUFHeader) -> dict[str, Any] | None:
     if "token_embd.weight" not in names:
         raise CorruptGGUFError(header.path, "there is no token_embd.weight tensor")
     if "rope_freqs.weight" in names:
-        raise UnsupportedModelError(
-            f"{header.path}: per-dimension RoPE frequency factors (the rope_freqs tensor, as in "
-            "Llama 3.1+ GGUFs) are not supported; load the original Hugging Face checkpoint instead"
-        )
+        return _llama3_scaling(header)
     scaling = md.get(f"{arch}.rope.scaling.type")
     if scaling in (None, "none"):
         return None
@@ -382,6 +386,41 @@ def _check_gguf_supported(header: GGUFHeader) -> dict[str, Any] | None:
     raise UnsupportedModelError(
         f"{header.path}: RoPE scaling {scaling!r} (factor {factor!r}) is not supported for GGUF "
         "files; verispec converts unscaled and linear RoPE"
+    )
+
+
+def _llama3_scaling(header: GGUFHeader) -> dict[str, Any]:
+    """The HF ``llama3`` RoPE scaling that llama.cpp's converter wrote as the ``rope_freqs``
+    tensor (per-dimension divisors of the frequencies, Llama 3.1+).
+
+    The tensor does not name its parameters, so the ones every Llama 3.x release uses (low and
+    high frequency factors 1 and 4, an original context of 8192, or the one the metadata gives)
+    are tried with the tensor's largest factor, and accepted where they reproduce the tensor as
+    the converter computes it. transformers' own GGUF loader ignores the tensor (it runs such a
+    file unscaled); llama.cpp and the HF checkpoint apply the scaling, as verispec does."""
+    arch = header.architecture or ""
+    if arch != "llama":
+        raise UnsupportedModelError(f"{header.path}: a rope_freqs tensor in a {arch!r} model is not supported")
+    md = header.metadata
+    info = next(t for t in header.tensors if t.name == "rope_freqs.weight")
+    factors = _dequantize(np.memmap(header.path, dtype=np.uint8, mode="r"), info, header.path).astype(np.float64)
+    heads = md[f"{arch}.attention.head_count"]
+    dim = md.get(f"{arch}.rope.dimension_count") or md[f"{arch}.embedding_length"] // heads
+    theta = float(md.get(f"{arch}.rope.freq_base", 10000.0))
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old_lens = {8192, md.get(f"{arch}.rope.scaling.original_context_length") or 8192}
+    for old_len in sorted(old_lens):
+        scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": int(old_len)}
+        wavelen = 2 * math.pi / freqs
+        smooth = (old_len / wavelen - 1.0) / (4.0 - 1.0)
+        expected = np.where(wavelen < old_len / 4.0, 1.0, np.where(
+            wavelen > old_len / 1.0, scaling["factor"], 1 / ((1 - smooth) / scaling["factor"] + smooth)))
+        if factors.shape == expected.shape and np.allclose(factors, expected, rtol=1e-5, atol=0):
+            return scaling
+    raise UnsupportedModelError(
+        f"{header.path}: the rope_freqs tensor (per-dimension RoPE factors) matches no Llama 3 "
+        "scaling verispec knows; load the original Hugging Face checkpoint instead"
     )
 
 
@@ -420,8 +459,27 @@ def gguf_hf_config(header: GGUFHeader, rope_scaling: dict[str, Any] | None = Non
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "hidden_act": "silu",
     }
+    if arch == "gemma3":
+        # What llama.cpp reads (or fixes) for Gemma 3: a query scale of 1/sqrt(head_dim) but for
+        # the 27B model (62 layers, 1/sqrt(hidden/heads)), local layers' RoPE base 10000.
+        cfg["model_type"] = _HF_MODEL_TYPES[arch]
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        cfg["query_pre_attn_scalar"] = hidden // heads if cfg["num_hidden_layers"] == 62 else head_dim
+        cfg["sliding_window"] = get("attention.sliding_window")
+        cfg["layer_types"] = [
+            "full_attention" if (i + 1) % _GEMMA3_SWA_PATTERN == 0 else "sliding_attention"
+            for i in range(cfg["num_hidden_layers"])
+        ]
+        local = {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 10000.0))}
+        full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta"), **(rope_scaling or {})}
+        cfg["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+        rope_scaling = None
+    else:
+        cfg["hidden_act"] = "silu"
+    if arch == "qwen3":
+        cfg["attention_bias"] = False
+        cfg["use_sliding_window"] = False
     if arch == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "qwen2":
@@ -447,7 +505,7 @@ def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: 
 
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg)
-    config.architectures = [GGUF_ARCHITECTURES[model_type]]
+    config.architectures = [GGUF_ARCHITECTURES[header.architecture]]
     hf_tok.save_pretrained(str(out))
     config.save_pretrained(str(out))
     generation = GenerationConfig(bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos,
@@ -567,13 +625,16 @@ def _write_weights(
         for info in header.tensors:
             hf_name = name_map.get(info.name)
             if hf_name is None:
-                unmapped.append(info.name)
+                if info.name != "rope_freqs.weight":  # in config.json as rope_scaling
+                    unmapped.append(info.name)
                 bar.update(info.nbytes)
                 continue
             array = _dequantize(data, info, header.path)
             kind = info.name.split(".")[-2] if info.name.count(".") >= 2 else ""
             if kind in permute_heads:
                 array = _unpermute_rotary(array, permute_heads[kind])
+            if header.architecture in _NORM_SHIFTED and info.name.endswith("norm.weight"):
+                array = array - np.float32(1.0)
             if array.dtype != np.float32 or not array.flags.c_contiguous or not array.flags.writeable:
                 array = np.array(array, dtype=np.float32)  # an own, contiguous copy (not the mmap)
             storage = torch.bfloat16 if array.ndim >= 2 else torch.float32
