@@ -535,7 +535,7 @@ _NATIVE_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Decoder(nn.Module):
-    """Llama-family causal LM over a :class:`KVCache`."""
+    """Causal LM (the Llama family, Qwen3, Gemma 3) over a :class:`KVCache`."""
 
     # Run each layer of a float32 pass on the native kernels as one native call
     # (:func:`verispec.models.native.native_layer`; the same bits as the Python layer, which

@@ -12,7 +12,8 @@ lies inside the file, so a truncated or corrupt file fails fast with a clear mes
 unsupported architecture be rejected before any slow work. ``config.json`` is built from the
 metadata the way llama.cpp reads it (:func:`gguf_hf_config`); tensors are dequantized with the
 ``gguf`` package, renamed with gguf-py's tensor-name tables and, for Llama, llama.cpp's Q/K row
-interleave is undone. The tokenizer is transformers' own GGUF tokenizer
+interleave is undone; Gemma's norm weights, which llama.cpp stores as ``1 + w``, go back to HF's
+``w``, and Llama 3's ``rope_freqs`` tensor becomes the ``llama3`` rope scaling it encodes. The tokenizer is transformers' own GGUF tokenizer
 (``AutoTokenizer.from_pretrained(..., gguf_file=...)``) with the chat template from the
 metadata; it is the slow step (transformers parses the whole vocabulary twice).
 
@@ -25,9 +26,10 @@ compute dtype on CPU, which rounds the same way, so nothing is lost there; a flo
 computes exactly with the rounded weights, and ``transformers`` loading the converted directory
 sees the very same weights.
 
-Not converted (clear errors instead): architectures other than llama/qwen2, mixture-of-experts
-models, split GGUF files, RoPE scaling other than linear and per-dimension ``rope_freqs``
-factors (Llama 3.1+).
+Converted: the GGUF architectures in :data:`GGUF_ARCHITECTURES` (llama, qwen2, qwen3, gemma3).
+Not converted (clear errors, before any slow work): other architectures (mixture-of-experts,
+state-space, multimodal), split GGUF files, RoPE scaling other than linear and ``rope_freqs``
+factors that match no Llama 3 scaling.
 
 The conversion is written into a temporary directory next to the cache entry and moved into
 place with one :func:`os.replace`, under a per-entry file lock, so an interrupted conversion
@@ -355,7 +357,8 @@ def _check_gguf_supported(header: GGUFHeader) -> dict[str, Any] | None:
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{header.path}: unsupported GGUF architecture {arch!r}; verispec converts GGUF "
-            f"architectures {', '.join(GGUF_ARCHITECTURES)} (Mistral GGUFs use 'llama') and runs "
+            f"architectures {', '.join(GGUF_ARCHITECTURES)} (Mistral GGUFs use 'llama'; no "
+            "mixture-of-experts, state-space or multimodal models) and runs "
             f"Hugging Face architectures {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     split_count = md.get("split.count")

@@ -1,0 +1,208 @@
+"""Tiny GGUF files of the newer architectures, written as llama.cpp writes them, against transformers.
+
+* Qwen3 (q/k norms, no qkv bias, head_dim from the metadata): transformers loads the GGUF itself
+  (``from_pretrained(gguf_file=...)``, dequantized, float32) and is the reference. Its GGUF reader
+  does not read ``attention.key_length`` for Qwen3 and takes the config's default head_dim, 128,
+  so the file uses that head size.
+* Llama with Llama 3.x RoPE scaling, stored as llama.cpp stores it: a ``rope_freqs`` tensor of
+  per-dimension factors. transformers' GGUF reader drops that tensor (it would run the file
+  unscaled), so the reference is transformers' Llama on the converted directory, whose config
+  carries the ``llama3`` rope_scaling the tensor was computed from.
+
+Weights are random, in the quantized types the native kernels run that gguf-py can write (Q8_0,
+Q5_0, Q4_1; it has no K-quant quantizer), so the default load runs them natively; the dense float32 load runs the same weights rounded
+to bf16 (the conversion's storage). Both are compared with the reference on teacher-forced
+logits; greedy speculative decoding of the native model is checked against plain decoding.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from tokenizers.pre_tokenizers import ByteLevel
+
+from tiny import loaded as engine_model, torch_threads
+from verispec import kernels
+from verispec.config import SamplingParams, SpeculativeConfig
+from verispec.engine.engine import Engine
+from verispec.models.errors import UnsupportedModelError
+from verispec.models.loader import load_model
+from verispec.models.native import is_native
+from verispec.speculative.ngram import NgramDrafter
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "Ġ w"]
+TOKENS = SPECIALS + sorted(ByteLevel.alphabet()) + ["he", "ll", "hell", "Ġw"]
+TOKENS += [f"<|extra_{i}|>" for i in range(-len(TOKENS) % 16)]  # a vocabulary the kernels tile
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+THETA = 500000.0
+N = 96  # teacher-forced tokens
+NATIVE = kernels.available()  # built (or found) at collection, in the real cache, not per test
+
+
+@pytest.fixture(autouse=True)
+def _env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("VERISPEC_HOME", str(tmp_path / "home"))
+    with torch_threads(2):
+        yield
+
+
+def llama3_factors(head_dim: int, scaling: dict) -> np.ndarray:
+    """The rope_freqs tensor as llama.cpp's converter computes it (LlamaModel.generate_extra_tensors)."""
+    freqs = 1.0 / (THETA ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / hi:
+            out.append(1.0)
+        elif wavelen > old / lo:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(path: Path, arch: str, rope_freqs: dict | None = None) -> Path:
+    hidden, ff, layers = 64, 256, 2
+    heads, kv_heads, head_dim = (2, 1, 128) if arch == "qwen3" else (4, 2, 16)
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name("tiny test model")
+    writer.add_block_count(layers)
+    writer.add_context_length(16384)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(THETA)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch == "qwen3" else "default")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(False)
+    rng = np.random.default_rng(0)
+
+    def add(name: str, *shape: int, qtype: Q = Q.F32, scale: float = 0.3, offset: float = 0.0) -> None:
+        values = (offset + scale * rng.standard_normal(shape)).astype(np.float32)
+        if qtype == Q.F32:
+            writer.add_tensor(name, values)
+        else:
+            writer.add_tensor(name, gguf.quantize(values, qtype), raw_dtype=qtype)
+
+    vocab = len(TOKENS)
+    add("token_embd.weight", vocab, hidden, qtype=Q.Q8_0, scale=1.0)
+    add("output_norm.weight", hidden, scale=0.1, offset=1.0)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", llama3_factors(head_dim, rope_freqs))
+    for i in range(layers):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", hidden, scale=0.1, offset=1.0)
+        add(p + "ffn_norm.weight", hidden, scale=0.1, offset=1.0)
+        add(p + "attn_q.weight", heads * head_dim, hidden, qtype=Q.Q5_0)
+        add(p + "attn_k.weight", kv_heads * head_dim, hidden, qtype=Q.Q8_0)
+        add(p + "attn_v.weight", kv_heads * head_dim, hidden, qtype=Q.Q4_1)
+        if arch == "qwen3":
+            add(p + "attn_q_norm.weight", head_dim, scale=0.1, offset=1.0)
+            add(p + "attn_k_norm.weight", head_dim, scale=0.1, offset=1.0)
+        add(p + "attn_output.weight", hidden, heads * head_dim, qtype=Q.Q8_0, scale=0.1)
+        add(p + "ffn_gate.weight", ff, hidden, qtype=Q.Q8_0)
+        add(p + "ffn_up.weight", ff, hidden, qtype=Q.Q5_0)
+        add(p + "ffn_down.weight", hidden, ff, qtype=Q.Q4_1 if i == 0 else Q.Q5_0, scale=0.1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(len(SPECIALS), len(TOKENS), (1, N), generator=torch.Generator().manual_seed(1))
+
+
+def _ours(path: Path, **kw) -> tuple[torch.Tensor, object]:
+    model = load_model(path, progress=False, **kw)
+    ids = _ids()
+    logits = model.model(ids, torch.arange(N)[None], model.model.new_cache(N))[0]
+    return logits, model
+
+
+def _agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+
+
+def _check_greedy_identity(model) -> None:
+    prompt = _ids()[0, :20].tolist() * 2  # repeats, so prompt lookup drafts
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    spec = SpeculativeConfig(method="given", num_speculative_tokens=4, adaptive=False)
+    plain = Engine(engine_model(model.model), max_model_len=128).generate(prompt, params)
+    drafted = Engine(engine_model(model.model), spec, max_model_len=128, drafter=NgramDrafter(1, 3)).generate(prompt, params)
+    assert drafted.output_ids == plain.output_ids
+    assert drafted.metrics.num_draft_tokens > 0
+
+
+def test_qwen3_matches_transformers_reading_the_gguf(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(tmp_path / "tiny-qwen3.gguf", "qwen3")
+    ref_model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = ref_model(_ids()).logits[0]
+    dense, loaded = _ours(path, dtype="float32", quantization="none")
+    assert loaded.hf_config["architectures"] == ["Qwen3ForCausalLM"]
+    assert loaded.model.config.qk_norm and loaded.model.config.head_dim == 128
+    native, loaded = _ours(path)
+    assert is_native(loaded.model) == NATIVE
+    print(f"\nqwen3: top-1 agreement with transformers over {N} tokens: dense {_agreement(dense, ref):.3f}, "
+          f"native {_agreement(native, ref):.3f}; max |diff| dense {(dense - ref).abs().max():.3g}")
+    assert (dense - ref).abs().max() < 1.0  # the weights' bf16 storage only (test_parity's bound)
+    assert _agreement(dense, ref) >= 0.99
+    assert _agreement(native, ref) >= 0.95
+    _check_greedy_identity(loaded)
+
+
+def test_llama3_rope_freqs_become_llama3_rope_scaling(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(tmp_path / "tiny-llama3.gguf", "llama", rope_freqs=LLAMA3)
+    dense, loaded = _ours(path, dtype="float32", quantization="none")
+    assert loaded.hf_config["rope_parameters"]["rope_type"] == "llama3"
+    for key, value in LLAMA3.items():
+        assert loaded.hf_config["rope_parameters"][key] == pytest.approx(value)
+    ref_model = AutoModelForCausalLM.from_pretrained(loaded.source, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = ref_model(_ids()).logits[0]
+        unscaled = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+        plain_rope = unscaled(_ids()).logits[0]
+    diff = (dense - ref).abs().max().item()
+    assert diff < 1e-4, diff  # the same weights: float32 summation order only
+    # not vacuous: transformers' own GGUF reading (no scaling) differs far more
+    assert (plain_rope - ref).abs().max().item() > 100 * max(diff, 1e-6)
+    native, loaded = _ours(path)
+    print(f"\nllama3 rope: dense max |diff| {diff:.3g}; native top-1 agreement {_agreement(native, ref):.3f}")
+    assert _agreement(native, ref) >= 0.95
+    _check_greedy_identity(loaded)
+
+
+def test_rope_freqs_of_no_known_scaling_are_refused_before_converting(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "odd.gguf", "llama", rope_freqs={**LLAMA3, "high_freq_factor": 2.5})
+    with pytest.raises(UnsupportedModelError, match="matches no Llama 3 scaling"):
+        load_model(path, progress=False)
+    assert not (tmp_path / "home" / "converted").exists() or not any((tmp_path / "home" / "converted").iterdir())
