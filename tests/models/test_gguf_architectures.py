@@ -4,6 +4,7 @@
   (``from_pretrained(gguf_file=...)``, dequantized, float32) and is the reference. Its GGUF reader
   does not read ``attention.key_length`` for Qwen3 and takes the config's default head_dim, 128,
   so the file uses that head size.
+* Phi-3 (fused ``attn_qkv``, and gate and up in one ``ffn_up``): transformers loads the GGUF.
 * Llama with Llama 3.x RoPE scaling, stored as llama.cpp stores it: a ``rope_freqs`` tensor of
   per-dimension factors. transformers' GGUF reader drops that tensor (it would run the file
   unscaled), so the reference is transformers' Llama on the converted directory, whose config
@@ -116,15 +117,21 @@ def write_gguf(path: Path, arch: str, rope_freqs: dict | None = None) -> Path:
         p = f"blk.{i}."
         add(p + "attn_norm.weight", hidden, scale=0.1, offset=1.0)
         add(p + "ffn_norm.weight", hidden, scale=0.1, offset=1.0)
-        add(p + "attn_q.weight", heads * head_dim, hidden, qtype=Q.Q5_0)
-        add(p + "attn_k.weight", kv_heads * head_dim, hidden, qtype=Q.Q8_0)
-        add(p + "attn_v.weight", kv_heads * head_dim, hidden, qtype=Q.Q4_1)
+        if arch == "phi3":  # fused, as llama.cpp writes Phi-3
+            add(p + "attn_qkv.weight", (heads + 2 * kv_heads) * head_dim, hidden, qtype=Q.Q8_0)
+        else:
+            add(p + "attn_q.weight", heads * head_dim, hidden, qtype=Q.Q5_0)
+            add(p + "attn_k.weight", kv_heads * head_dim, hidden, qtype=Q.Q8_0)
+            add(p + "attn_v.weight", kv_heads * head_dim, hidden, qtype=Q.Q4_1)
         if arch == "qwen3":
             add(p + "attn_q_norm.weight", head_dim, scale=0.1, offset=1.0)
             add(p + "attn_k_norm.weight", head_dim, scale=0.1, offset=1.0)
         add(p + "attn_output.weight", hidden, heads * head_dim, qtype=Q.Q8_0, scale=0.1)
-        add(p + "ffn_gate.weight", ff, hidden, qtype=Q.Q8_0)
-        add(p + "ffn_up.weight", ff, hidden, qtype=Q.Q5_0)
+        if arch == "phi3":  # gate and up in one tensor, gate first
+            add(p + "ffn_up.weight", 2 * ff, hidden, qtype=Q.Q5_0)
+        else:
+            add(p + "ffn_gate.weight", ff, hidden, qtype=Q.Q8_0)
+            add(p + "ffn_up.weight", ff, hidden, qtype=Q.Q5_0)
         add(p + "ffn_down.weight", hidden, ff, qtype=Q.Q4_1 if i == 0 else Q.Q5_0, scale=0.1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -158,23 +165,41 @@ def _check_greedy_identity(model) -> None:
     assert drafted.metrics.num_draft_tokens > 0
 
 
-def test_qwen3_matches_transformers_reading_the_gguf(tmp_path: Path) -> None:
+def _check_against_transformers(path: Path, architecture: str) -> object:
+    """The dense float32 load against transformers on the converted directory (the same weights:
+    float32 summation order only) and on the GGUF itself (the conversion's bf16 storage too); the
+    native load's top-1 against the latter. Returns the native load."""
     from transformers import AutoModelForCausalLM
 
-    path = write_gguf(tmp_path / "tiny-qwen3.gguf", "qwen3")
-    ref_model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
     with torch.inference_mode():
-        ref = ref_model(_ids()).logits[0]
-    dense, loaded = _ours(path, dtype="float32", quantization="none")
-    assert loaded.hf_config["architectures"] == ["Qwen3ForCausalLM"]
-    assert loaded.model.config.qk_norm and loaded.model.config.head_dim == 128
+        on_gguf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+        ref = on_gguf(_ids()).logits[0]
+        dense, loaded = _ours(path, dtype="float32", quantization="none")
+        assert loaded.hf_config["architectures"] == [architecture]
+        same_weights = AutoModelForCausalLM.from_pretrained(loaded.source, dtype=torch.float32).eval()
+        exact = (dense - same_weights(_ids()).logits[0]).abs().max().item()
     native, loaded = _ours(path)
     assert is_native(loaded.model) == NATIVE
-    print(f"\nqwen3: top-1 agreement with transformers over {N} tokens: dense {_agreement(dense, ref):.3f}, "
-          f"native {_agreement(native, ref):.3f}; max |diff| dense {(dense - ref).abs().max():.3g}")
-    assert (dense - ref).abs().max() < 1.0  # the weights' bf16 storage only (test_parity's bound)
-    assert _agreement(dense, ref) >= 0.99
-    assert _agreement(native, ref) >= 0.95
+    print(f"\n{architecture}: max |logit diff| {exact:.3g} vs transformers on the converted weights; top-1 "
+          f"agreement over {N} tokens with transformers on the GGUF: dense {_agreement(dense, ref):.3f}, "
+          f"native {_agreement(native, ref):.3f}")
+    assert exact < 1e-4
+    assert (dense - ref).abs().max() < 1.0  # the weights' bf16 storage (test_parity's bound)
+    assert _agreement(dense, ref) >= 0.95
+    assert _agreement(native, ref) >= 0.9  # random weights: flat logits, int8 activations
+    return loaded
+
+
+def test_qwen3_matches_transformers(tmp_path: Path) -> None:
+    loaded = _check_against_transformers(write_gguf(tmp_path / "tiny-qwen3.gguf", "qwen3"), "Qwen3ForCausalLM")
+    assert loaded.model.config.qk_norm and loaded.model.config.head_dim == 128
+    _check_greedy_identity(loaded)
+
+
+def test_phi3_fused_tensors_match_transformers(tmp_path: Path) -> None:
+    loaded = _check_against_transformers(write_gguf(tmp_path / "tiny-phi3.gguf", "phi3"), "Phi3ForCausalLM")
+    if NATIVE:  # the fused tensors run as they are, one part each
+        assert [len(loaded.model.layers[0].qkv.parts), len(loaded.model.layers[0].gate_up.parts)] == [1, 1]
     _check_greedy_identity(loaded)
 
 

@@ -1,5 +1,5 @@
-"""One decoder for the Llama family and its relatives: Llama, Qwen2, Qwen3, Mistral, SmolLM2 and
-Gemma 3.
+"""One decoder for the Llama family and its relatives: Llama, Qwen2, Qwen3, Mistral, SmolLM2, Phi-3
+and Gemma 3.
 
 The architectures differ only by configuration (qkv bias, tied embeddings, RoPE base and
 scaling, grouped-query attention, RMSNorm epsilon, sliding window), so one implementation serves
@@ -9,9 +9,9 @@ wraps attention and MLP in norms on both sides, uses GeGLU (tanh GELU), a query 
 ``query_pre_attn_scalar ** -0.5``, and alternates sliding-window layers (their own RoPE base)
 with global ones (``layer_types``). Weights arrive under Hugging Face names and are fused on
 load: q/k/v into one projection and gate/up into another, which halves the matmul calls per
-layer. Layers of the plain Llama form may run as one native call
-(:func:`verispec.models.native.native_layer`); the others run this module's Python layer, with
-native projections where the GGUF's blocks allow.
+layer (Phi-3 stores them fused already). Layers of the plain Llama form may run as one native
+call (:func:`verispec.models.native.native_layer`); the others run this module's Python layer,
+with native projections where the GGUF's blocks allow.
 
 A sliding window is applied by RoPE position: a row at position p attends to keys at positions
 > p - window, where an entry cached by an earlier pass sits at its position (committed entries
@@ -109,6 +109,8 @@ class DecoderConfig:
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
             sliding = None
         gemma = arch == "Gemma3ForCausalLM"
+        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModelError(f"partial rotary embeddings (factor {cfg['partial_rotary_factor']}) are not supported")
         layer_types = None
         if gemma:
             layer_types = tuple(cfg.get("layer_types") or (
@@ -149,7 +151,7 @@ class DecoderConfig:
 
 def _arch_from_model_type(model_type: str | None) -> str:
     return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}.get(
+            "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}.get(
         model_type or "", f"<model_type {model_type!r}>"
     )
 
@@ -778,11 +780,16 @@ class Decoder(nn.Module):
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 attn = [p + f"self_attn.{n}_proj" for n in "qkv"]
+                if p + "self_attn.qkv_proj.weight" in tensors:  # Phi3 stores the fused weights
+                    attn = [p + "self_attn.qkv_proj"]
                 put(layer.qkv.weight, *(n + ".weight" for n in attn))
                 if layer.qkv.bias is not None:
                     put(layer.qkv.bias, *(n + ".bias" for n in attn))
                 put(layer.o_proj.weight, p + "self_attn.o_proj.weight")
-                put(layer.gate_up.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+                gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+                if p + "mlp.gate_up_proj.weight" in tensors:  # [gate | up], as fused here
+                    gate_up = [p + "mlp.gate_up_proj.weight"]
+                put(layer.gate_up.weight, *gate_up)
                 put(layer.down.weight, p + "mlp.down_proj.weight")
                 norms.append((layer.input_norm, p + "input_layernorm.weight"))
                 if layer.attn_out_norm is None:

@@ -26,7 +26,8 @@ compute dtype on CPU, which rounds the same way, so nothing is lost there; a flo
 computes exactly with the rounded weights, and ``transformers`` loading the converted directory
 sees the very same weights.
 
-Converted: the GGUF architectures in :data:`GGUF_ARCHITECTURES` (llama, qwen2, qwen3, gemma3).
+Converted: the GGUF architectures in :data:`GGUF_ARCHITECTURES` (llama, qwen2, qwen3, gemma3,
+phi3, whose fused ``attn_qkv`` and gate-and-up ``ffn_up`` tensors map to HF's fused Phi3 weights).
 Not converted (clear errors, before any slow work): other architectures (mixture-of-experts,
 state-space, multimodal), split GGUF files, RoPE scaling other than linear and ``rope_freqs``
 factors that match no Llama 3 scaling.
@@ -91,7 +92,8 @@ CONVERSION_VERSION = 1
 # GGUF ``general.architecture`` values verispec converts, and the HF architecture each becomes.
 # Mistral models are stored as "llama" in GGUF (llama.cpp runs them without a sliding window).
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                      "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                                      "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                                      "phi3": "Phi3ForCausalLM"}
 # The HF model_type of each, where it differs from the GGUF name.
 _HF_MODEL_TYPES = {"gemma3": "gemma3_text"}
 # llama.cpp's converter stores Gemma's RMSNorm weights w as 1 + w (it computes x * w); HF keeps w.
@@ -378,6 +380,10 @@ def _check_gguf_supported(header: GGUFHeader) -> dict[str, Any] | None:
     names = {t.name for t in header.tensors}
     if "token_embd.weight" not in names:
         raise CorruptGGUFError(header.path, "there is no token_embd.weight tensor")
+    if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
+        raise UnsupportedModelError(
+            f"{header.path}: LongRoPE (the rope_factors_long/short tensors of Phi-3 128k models) is not supported"
+        )
     if "rope_freqs.weight" in names:
         return _llama3_scaling(header)
     scaling = md.get(f"{arch}.rope.scaling.type")
@@ -480,6 +486,8 @@ def gguf_hf_config(header: GGUFHeader, rope_scaling: dict[str, Any] | None = Non
         rope_scaling = None
     else:
         cfg["hidden_act"] = "silu"
+    if arch == "phi3":  # HF's Phi3 applies its config's window to every layer, as verispec does
+        cfg["sliding_window"] = get("attention.sliding_window")
     if arch == "qwen3":
         cfg["attention_bias"] = False
         cfg["use_sliding_window"] = False

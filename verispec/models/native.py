@@ -433,8 +433,10 @@ def use_gguf_weights_(model: nn.Module, gguf_path: str | Path, *, keep_dense: bo
     dense = 0
     for i, layer in enumerate(model.layers):
         p = f"blk.{i}."
-        for attr, names in (("qkv", ["attn_q", "attn_k", "attn_v"]), ("o_proj", ["attn_output"]),
-                            ("gate_up", ["ffn_gate", "ffn_up"]), ("down", ["ffn_down"])):
+        # Phi-3's files hold q/k/v as one attn_qkv tensor and gate and up as one ffn_up
+        qkv = ["attn_qkv"] if f"{p}attn_qkv.weight" in infos else ["attn_q", "attn_k", "attn_v"]
+        gate_up = ["ffn_gate", "ffn_up"] if f"{p}ffn_gate.weight" in infos else ["ffn_up"]
+        for attr, names in (("qkv", qkv), ("o_proj", ["attn_output"]), ("gate_up", gate_up), ("down", ["ffn_down"])):
             old = getattr(layer, attr)
             new = native(old, [f"{p}{n}.weight" for n in names])
             dense += new is old
