@@ -1,8 +1,8 @@
-"""Gemma 3 and Qwen3 as configurations of the one decoder, on tiny random models.
+"""Gemma 3, Gemma 2 and Qwen3 as configurations of the one decoder, on tiny random models.
 
 Their layers are not of the Llama form the native one-call layer runs (q/k norms; Gemma's
-sandwich norms, GeGLU, query scale and alternating sliding-window layers), so they run the Python
-layer, here with native Q8_0 projections where the kernels are available. Invariants: every row
+sandwich norms, GeGLU, query scale and alternating sliding-window layers; Gemma 2's capped
+attention, which runs in PyTorch), so they run the Python layer, here with native Q8_0 projections where the kernels are available. Invariants: every row
 of a verify chain and of a tree pass equals a decode step's bit for bit, with a sliding window
 shorter than the context (so it cuts into the cache, and into deep trees), and greedy speculative
 decoding (chains and trees) reproduces plain greedy decoding token for token.
@@ -32,8 +32,10 @@ GEMMA = dict(architecture="Gemma3ForCausalLM", qk_norm=True, sandwich_norms=True
              hidden_act="gelu_pytorch_tanh", embed_scale=True, sliding_window=WINDOW,
              layer_types=("sliding_attention", "full_attention", "sliding_attention"),
              rope_theta=1e6, rope_local_theta=1e4, query_pre_attn_scalar=24.0, tie_word_embeddings=True)
+GEMMA2 = {**GEMMA, "architecture": "Gemma2ForCausalLM", "qk_norm": False, "rope_local_theta": None,
+          "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0}
 QWEN3 = dict(architecture="Qwen3ForCausalLM", qk_norm=True)
-ARCHS = {"gemma3": GEMMA, "qwen3": QWEN3}
+ARCHS = {"gemma3": GEMMA, "gemma2": GEMMA2, "qwen3": QWEN3}
 PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7, 9, 4, 3, 7, 9, 11, 6]
 
 
@@ -126,8 +128,9 @@ def test_greedy_speculative_output_identical_to_plain(model):
         plain = _generate(model)
         assert len(plain.output_ids) == GREEDY.max_tokens
         chains = _generate(model, NgramDrafter(1, 3), k=4)
-        # the model drafting for a perturbed copy of itself: drafts partly accepted
-        draft = tiny("qwen3" if model.config.architecture == "Qwen3ForCausalLM" else "gemma3", native=False, seed=1)
+        # another random model of the architecture drafts (chains, then trees)
+        arch = {v["architecture"]: k for k, v in ARCHS.items()}[model.config.architecture]
+        draft = tiny(arch, native=False, seed=1)
         drafted = _generate(model, DraftModelDrafter(loaded(draft), VOCAB, 128), k=3)
         trees = _generate(model, TreeDraftModelDrafter(loaded(draft), VOCAB, 128, depth=3, topk=2, budget=6), k=3)
     for spec in (chains, drafted, trees):

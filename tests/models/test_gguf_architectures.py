@@ -5,6 +5,8 @@
   does not read ``attention.key_length`` for Qwen3 and takes the config's default head_dim, 128,
   so the file uses that head size.
 * Phi-3 (fused ``attn_qkv``, and gate and up in one ``ffn_up``): transformers loads the GGUF.
+* Gemma 2 (capped attention scores and logits, sandwich norms, alternating windows): the
+  reference is transformers on the converted directory, as its GGUF reader drops the caps.
 * Llama with Llama 3.x RoPE scaling, stored as llama.cpp stores it: a ``rope_freqs`` tensor of
   per-dimension factors. transformers' GGUF reader drops that tensor (it would run the file
   unscaled), so the reference is transformers' Llama on the converted directory, whose config
@@ -45,6 +47,7 @@ TOKENS += [f"<|extra_{i}|>" for i in range(-len(TOKENS) % 16)]  # a vocabulary t
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
 THETA = 500000.0
+GEMMA2_WINDOW = 8
 N = 96  # teacher-forced tokens
 NATIVE = kernels.available()  # built (or found) at collection, in the real cache, not per test
 
@@ -90,6 +93,10 @@ def write_gguf(path: Path, arch: str, rope_freqs: dict | None = None) -> Path:
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(THETA)
     writer.add_layer_norm_rms_eps(1e-6)
+    if arch == "gemma2":
+        writer.add_sliding_window(GEMMA2_WINDOW)
+        writer.add_float32("gemma2.attn_logit_softcapping", 5.0)  # small, so the caps bite
+        writer.add_float32("gemma2.final_logit_softcapping", 10.0)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2" if arch == "qwen3" else "default")
     writer.add_token_list(TOKENS)
@@ -110,13 +117,16 @@ def write_gguf(path: Path, arch: str, rope_freqs: dict | None = None) -> Path:
 
     vocab = len(TOKENS)
     add("token_embd.weight", vocab, hidden, qtype=Q.Q8_0, scale=1.0)
-    add("output_norm.weight", hidden, scale=0.1, offset=1.0)
+    add("output_norm.weight", hidden, scale=0.1, offset=1.0)  # Gemma: stored as 1 + w, as llama.cpp does
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", llama3_factors(head_dim, rope_freqs))
     for i in range(layers):
         p = f"blk.{i}."
         add(p + "attn_norm.weight", hidden, scale=0.1, offset=1.0)
         add(p + "ffn_norm.weight", hidden, scale=0.1, offset=1.0)
+        if arch == "gemma2":
+            add(p + "post_attention_norm.weight", hidden, scale=0.1, offset=1.0)
+            add(p + "post_ffw_norm.weight", hidden, scale=0.1, offset=1.0)
         if arch == "phi3":  # fused, as llama.cpp writes Phi-3
             add(p + "attn_qkv.weight", (heads + 2 * kv_heads) * head_dim, hidden, qtype=Q.Q8_0)
         else:
@@ -165,24 +175,27 @@ def _check_greedy_identity(model) -> None:
     assert drafted.metrics.num_draft_tokens > 0
 
 
-def _check_against_transformers(path: Path, architecture: str) -> object:
+def _check_against_transformers(path: Path, architecture: str, on_gguf: bool = True) -> object:
     """The dense float32 load against transformers on the converted directory (the same weights:
-    float32 summation order only) and on the GGUF itself (the conversion's bf16 storage too); the
-    native load's top-1 against the latter. Returns the native load."""
+    float32 summation order only) and, with ``on_gguf``, on the GGUF itself (the conversion's bf16
+    storage too); the native load's top-1 against the latter (else the former). Returns the
+    native load."""
     from transformers import AutoModelForCausalLM
 
     with torch.inference_mode():
-        on_gguf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-        ref = on_gguf(_ids()).logits[0]
         dense, loaded = _ours(path, dtype="float32", quantization="none")
         assert loaded.hf_config["architectures"] == [architecture]
         same_weights = AutoModelForCausalLM.from_pretrained(loaded.source, dtype=torch.float32).eval()
-        exact = (dense - same_weights(_ids()).logits[0]).abs().max().item()
+        ref = same_weights(_ids()).logits[0]
+        exact = (dense - ref).abs().max().item()
+        if on_gguf:
+            reader = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+            ref = reader.eval()(_ids()).logits[0]
     native, loaded = _ours(path)
     assert is_native(loaded.model) == NATIVE
     print(f"\n{architecture}: max |logit diff| {exact:.3g} vs transformers on the converted weights; top-1 "
-          f"agreement over {N} tokens with transformers on the GGUF: dense {_agreement(dense, ref):.3f}, "
-          f"native {_agreement(native, ref):.3f}")
+          f"agreement over {N} tokens with transformers on the {'GGUF' if on_gguf else 'converted weights'}: "
+          f"dense {_agreement(dense, ref):.3f}, native {_agreement(native, ref):.3f}")
     assert exact < 1e-4
     assert (dense - ref).abs().max() < 1.0  # the weights' bf16 storage (test_parity's bound)
     assert _agreement(dense, ref) >= 0.95
@@ -200,6 +213,22 @@ def test_phi3_fused_tensors_match_transformers(tmp_path: Path) -> None:
     loaded = _check_against_transformers(write_gguf(tmp_path / "tiny-phi3.gguf", "phi3"), "Phi3ForCausalLM")
     if NATIVE:  # the fused tensors run as they are, one part each
         assert [len(loaded.model.layers[0].qkv.parts), len(loaded.model.layers[0].gate_up.parts)] == [1, 1]
+    _check_greedy_identity(loaded)
+
+
+def test_gemma2_softcaps_and_window_match_transformers(tmp_path: Path) -> None:
+    """Attention and final logit softcapping, sandwich norms, GeGLU, and a window of 8 on every
+    other layer, within the 96 teacher-forced tokens. The capped attention runs in PyTorch (the
+    native attention kernel has no cap), whose rows may change with the keys a pass spans, so the
+    model does not claim pass-invariant rows (no prefix caching). transformers' GGUF reader drops
+    the caps in the metadata (it takes Gemma2Config's defaults, 50 and 30), so the reference is
+    transformers on the converted directory."""
+    path = write_gguf(tmp_path / "tiny-gemma2.gguf", "gemma2")
+    loaded = _check_against_transformers(path, "Gemma2ForCausalLM", on_gguf=False)
+    c = loaded.model.config
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (5.0, 10.0)
+    assert [c.window(i) for i in range(2)] == [GEMMA2_WINDOW, None]
+    assert not loaded.model.rows_are_pass_invariant()
     _check_greedy_identity(loaded)
 
 
@@ -229,5 +258,21 @@ def test_llama3_rope_freqs_become_llama3_rope_scaling(tmp_path: Path) -> None:
 def test_rope_freqs_of_no_known_scaling_are_refused_before_converting(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "odd.gguf", "llama", rope_freqs={**LLAMA3, "high_freq_factor": 2.5})
     with pytest.raises(UnsupportedModelError, match="matches no Llama 3 scaling"):
+        load_model(path, progress=False)
+    assert not (tmp_path / "home" / "converted").exists() or not any((tmp_path / "home" / "converted").iterdir())
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "mamba", "clip"])
+def test_other_architectures_are_refused_before_converting(tmp_path: Path, arch: str) -> None:
+    """Mixture-of-experts, state-space and multimodal files: a clear error from the header."""
+    path = tmp_path / f"{arch}.gguf"
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match=rf"unsupported GGUF architecture '{arch}'.*gemma3"):
         load_model(path, progress=False)
     assert not (tmp_path / "home" / "converted").exists() or not any((tmp_path / "home" / "converted").iterdir())

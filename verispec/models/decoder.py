@@ -1,5 +1,5 @@
-"""One decoder for the Llama family and its relatives: Llama, Qwen2, Qwen3, Mistral, SmolLM2, Phi-3
-and Gemma 3.
+"""One decoder for the Llama family and its relatives: Llama, Qwen2, Qwen3, Mistral, SmolLM2, Phi-3,
+Gemma 2 and Gemma 3.
 
 The architectures differ only by configuration (qkv bias, tied embeddings, RoPE base and
 scaling, grouped-query attention, RMSNorm epsilon, sliding window), so one implementation serves
@@ -7,7 +7,9 @@ them all. Qwen3 and Gemma 3 add per-head RMSNorms on q and k; Gemma 3 also scale
 by sqrt(hidden), stores its norms as ``w`` applied as ``1 + w`` (folded into the weight on load),
 wraps attention and MLP in norms on both sides, uses GeGLU (tanh GELU), a query scale of
 ``query_pre_attn_scalar ** -0.5``, and alternates sliding-window layers (their own RoPE base)
-with global ones (``layer_types``). Weights arrive under Hugging Face names and are fused on
+with global ones (``layer_types``). Gemma 2 has no q/k norms and no local RoPE base but caps its
+attention scores and final logits (``cap * tanh(x / cap)``); capped attention runs in PyTorch,
+as the native attention kernel has no cap. Weights arrive under Hugging Face names and are fused on
 load: q/k/v into one projection and gate/up into another, which halves the matmul calls per
 layer (Phi-3 stores them fused already). Layers of the plain Llama form may run as one native
 call (:func:`verispec.models.native.native_layer`); the others run this module's Python layer,
@@ -68,12 +70,14 @@ class DecoderConfig:
     rope_local_theta: float | None = None  # RoPE base of sliding_attention layers (Gemma 3)
     query_pre_attn_scalar: float | None = None  # attention scale is its ** -0.5 (default head_dim)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # the same on attention scores (Gemma 2)
 
     @property
     def llama_layers(self) -> bool:
         """Whether every layer has the plain Llama form that the native one-call layer runs."""
         return (not self.qk_norm and not self.sandwich_norms and self.hidden_act == "silu"
-                and self.layer_types is None and self.attn_scale == self.head_dim**-0.5)
+                and self.layer_types is None and self.attn_scale == self.head_dim**-0.5
+                and self.attn_logit_softcapping is None)
 
     @property
     def attn_scale(self) -> float:
@@ -108,19 +112,20 @@ class DecoderConfig:
         sliding = cfg.get("sliding_window")
         if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
             sliding = None
-        gemma = arch == "Gemma3ForCausalLM"
+        gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedModelError(f"partial rotary embeddings (factor {cfg['partial_rotary_factor']}) are not supported")
         layer_types = None
         if gemma:
+            pattern = cfg.get("sliding_window_pattern", 6 if arch == "Gemma3ForCausalLM" else 2)
             layer_types = tuple(cfg.get("layer_types") or (
-                "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0 else "sliding_attention"
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                 for i in range(cfg["num_hidden_layers"])))
-            if cfg.get("attn_logit_softcapping"):
-                raise UnsupportedModelError("attention logit softcapping (Gemma 2) is not supported")
             if local_params.get("rope_type", "default") != "default":
                 raise UnsupportedModelError(f"unsupported rope scaling {local_params['rope_type']!r} on sliding layers")
-        local_theta = local_params.get("rope_theta") or cfg.get("rope_local_base_freq") or (10000.0 if gemma else None)
+        local_theta = local_params.get("rope_theta") or cfg.get("rope_local_base_freq")
+        if arch == "Gemma3ForCausalLM" and not local_theta:
+            local_theta = 10000.0
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -137,7 +142,7 @@ class DecoderConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=sliding,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            qk_norm=arch == "Qwen3ForCausalLM" or gemma,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             sandwich_norms=gemma,
             norm_offset=1.0 if gemma else 0.0,
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
@@ -146,12 +151,14 @@ class DecoderConfig:
             rope_local_theta=float(local_theta) if local_theta else None,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") or None,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping") or None,
         )
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
     return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}.get(
+            "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+            "phi3": "Phi3ForCausalLM"}.get(
         model_type or "", f"<model_type {model_type!r}>"
     )
 
@@ -316,11 +323,14 @@ def linear(layer: nn.Module, x: Tensor, prefill: bool) -> Tensor:
     return layer(x)
 
 
-def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None,
+                      softcap: float | None = None) -> Tensor:
     """Masked attention with grouped-query heads, written to be batch invariant.
 
     q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, T, S] bool (True = attend); ``scale``
-    multiplies the scores (default ``D ** -0.5``). The G = H / Hkv query heads that share a KV head are folded into the rows of one matmul, so
+    multiplies the scores (default ``D ** -0.5``), then ``softcap``, if any, caps them
+    (``cap * tanh(s / cap)``, Gemma 2).
+    The G = H / Hkv query heads that share a KV head are folded into the rows of one matmul, so
     K and V are never repeated. Scores and softmax run in float32. Each output row reduces over
     exactly S keys whatever T is; ``F.scaled_dot_product_attention`` on CPU does not guarantee
     that (its output rows change with T for long caches), so it is not used here.
@@ -329,7 +339,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: floa
     hkv = k.shape[1]
     g = h // hkv
     qg = q.reshape(b, hkv, g * t, d)  # rows ordered (head-in-group, token)
-    scores = invariant_matmul(qg, k.transpose(-1, -2)).float() * (scale or d**-0.5)  # [B, Hkv, G*T, S]
+    scores = _cap(invariant_matmul(qg, k.transpose(-1, -2)).float() * (scale or d**-0.5), softcap)  # [B, Hkv, G*T, S]
     scores = scores.view(b, hkv, g, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, g * t, -1)
     return invariant_matmul(probs, v).reshape(b, h, t, d)
@@ -368,7 +378,12 @@ def native_attention(q: Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[-1] % 16 == 0 and kernels.available()
 
 
-def row_attention(q: Tensor, k: Tensor, v: Tensor, rows: RowKeys, scale: float | None = None) -> Tensor:
+def _cap(scores: Tensor, softcap: float | None) -> Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def row_attention(q: Tensor, k: Tensor, v: Tensor, rows: RowKeys, scale: float | None = None,
+                  softcap: float | None = None) -> Tensor:
     """Attention in which every row reduces over its own keys packed to the front.
 
     q: [B, H, T, D]; k, v: [B, Hkv, S, D]. Each row gathers its keys and values into the
@@ -385,7 +400,7 @@ def row_attention(q: Tensor, k: Tensor, v: Tensor, rows: RowKeys, scale: float |
     keys = k[:, :, None].expand(b, hkv, t, s, d).gather(3, idx)  # [B, Hkv, T, S, D]
     values = v[:, :, None].expand(b, hkv, t, s, d).gather(3, idx)
     qg = q.reshape(b, hkv, g, t, d).transpose(2, 3)  # [B, Hkv, T, G, D]
-    scores = invariant_matmul(qg, keys.transpose(-1, -2)).float() * (scale or d**-0.5)  # [B, Hkv, T, G, S]
+    scores = _cap(invariant_matmul(qg, keys.transpose(-1, -2)).float() * (scale or d**-0.5), softcap)  # [B, Hkv, T, G, S]
     scores = scores.masked_fill(~rows.mask[:, None, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = invariant_matmul(probs, values)  # [B, Hkv, T, G, D]
@@ -401,7 +416,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.scale = c.attn_scale
+        self.scale, self.softcap = c.attn_scale, c.attn_logit_softcapping
         self.gelu = c.hidden_act == "gelu_pytorch_tanh"
         if c.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise UnsupportedModelError(f"unsupported MLP activation {c.hidden_act!r}; verispec runs silu and gelu_pytorch_tanh")
@@ -435,23 +450,23 @@ class DecoderLayer(nn.Module):
         q, k, v = steps.attention_inputs(self, x, cos, sin, prefill)
         cache.write(layer, slots, k, v)
         keys, values = cache.view(layer, slots, attend_len)  # [B, Hkv, S, D]
-        if native_attention(q):  # reads a float16 cache as it is
+        if native_attention(q) and self.softcap is None:  # reads a float16 cache as it is
             rows = mask.attend if isinstance(mask, RowKeys) else mask[:, 0]
             attn = kernels.attention(q, keys, values, rows, self.scale)
             return steps.output(self, x, attn.transpose(1, 2).reshape(b, t, -1), prefill)
         if keys.dtype != q.dtype:  # a cache kept in another dtype (Decoder.kv_cache_dtype)
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         if isinstance(mask, RowKeys):
-            attn = row_attention(q, keys, values, mask, self.scale)  # [B, H, T, D]
+            attn = row_attention(q, keys, values, mask, self.scale, self.softcap)  # [B, H, T, D]
         elif prefill and _upcast(x):
-            attn = grouped_attention(q.float(), keys.float(), values.float(), mask, self.scale).to(x.dtype)
-        elif prefill and x.dtype == torch.float32:
+            attn = grouped_attention(q.float(), keys.float(), values.float(), mask, self.scale, self.softcap).to(x.dtype)
+        elif prefill and x.dtype == torch.float32 and self.softcap is None:
             # a long prompt in float32 without the native kernels: one fused attention call. Its
             # rows need not match decode steps (plain and speculative decoding prefill alike),
             # and the row-chunked form made a long prompt's prefill measurably slower.
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale)
         else:
-            attn = grouped_attention(q, keys, values, mask, self.scale)  # [B, H, T, D]
+            attn = grouped_attention(q, keys, values, mask, self.scale, self.softcap)  # [B, H, T, D]
         return steps.output(self, x, attn.transpose(1, 2).reshape(b, t, -1), prefill)
 
     def attention_inputs(self, x: Tensor, cos: Tensor, sin: Tensor, prefill: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -537,7 +552,7 @@ _NATIVE_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Decoder(nn.Module):
-    """Causal LM (the Llama family, Qwen3, Gemma 3) over a :class:`KVCache`."""
+    """Causal LM (the Llama family, Qwen3, Phi-3, Gemma 2 and 3) over a :class:`KVCache`."""
 
     # Run each layer of a float32 pass on the native kernels as one native call
     # (:func:`verispec.models.native.native_layer`; the same bits as the Python layer, which
@@ -592,7 +607,7 @@ class Decoder(nn.Module):
         which prefix caching relies on (:mod:`verispec.engine.engine`). Elsewhere torch's
         attention matmuls change a row's last bits with the number of keys a pass spans."""
         return (self.device.type == "cpu" and self.dtype == torch.float32 and self.config.head_dim % 16 == 0
-                and kernels.available())
+                and self.config.attn_logit_softcapping is None and kernels.available())
 
     def prefills_on_the_decode_kernels(self) -> bool:
         """Whether a long prompt's prefill runs the same linear kernels as the decode path: a
@@ -627,8 +642,8 @@ class Decoder(nn.Module):
         """Run T new tokens per row, append their K/V to the cache and return logits.
 
         ``attn_mask`` (True = attend) covers cache indices; row b's new tokens sit at indices
-        ``kv_cache.lengths[slots[b]] + [0, T)``. Without it the mask is causal (plus the sliding
-        window, if any). ``num_logits`` computes logits for the last n rows only (prefill needs
+        ``kv_cache.lengths[slots[b]] + [0, T)``. Without it the mask is causal. A layer's sliding
+        window, if any, cuts either mask by position (see the module docstring). ``num_logits`` computes logits for the last n rows only (prefill needs
         just the last). A masked pass computes every row as a decode step would (see
         :func:`row_attention`), so tree rows are bitwise equal to plain decoding. ``prefill``
         marks a prompt's first pass, which may take the faster path of ``PREFILL_MIN_TOKENS``;

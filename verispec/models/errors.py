@@ -14,7 +14,7 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "CorruptGGUFError", "ModelFileNotFoundErro
 
 # The Hugging Face architectures the decoder runs (named in UnsupportedModelError's messages).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "Gemma3ForCausalLM", "Phi3ForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 
 
 class ModelLoadError(ValueError):

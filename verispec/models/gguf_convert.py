@@ -26,8 +26,8 @@ compute dtype on CPU, which rounds the same way, so nothing is lost there; a flo
 computes exactly with the rounded weights, and ``transformers`` loading the converted directory
 sees the very same weights.
 
-Converted: the GGUF architectures in :data:`GGUF_ARCHITECTURES` (llama, qwen2, qwen3, gemma3,
-phi3, whose fused ``attn_qkv`` and gate-and-up ``ffn_up`` tensors map to HF's fused Phi3 weights).
+Converted: the GGUF architectures in :data:`GGUF_ARCHITECTURES` (llama, qwen2, qwen3, gemma2,
+gemma3, phi3, whose fused ``attn_qkv`` and gate-and-up ``ffn_up`` tensors map to HF's fused Phi3 weights).
 Not converted (clear errors, before any slow work): other architectures (mixture-of-experts,
 state-space, multimodal), split GGUF files, RoPE scaling other than linear and ``rope_freqs``
 factors that match no Llama 3 scaling.
@@ -93,13 +93,14 @@ CONVERSION_VERSION = 1
 # Mistral models are stored as "llama" in GGUF (llama.cpp runs them without a sliding window).
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                       "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                                      "phi3": "Phi3ForCausalLM"}
+                                      "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 # The HF model_type of each, where it differs from the GGUF name.
 _HF_MODEL_TYPES = {"gemma3": "gemma3_text"}
 # llama.cpp's converter stores Gemma's RMSNorm weights w as 1 + w (it computes x * w); HF keeps w.
-_NORM_SHIFTED = ("gemma3",)
-# Gemma 3's layers: five sliding-window layers, then a global one (llama.cpp's swa pattern).
-_GEMMA3_SWA_PATTERN = 6
+_NORM_SHIFTED = ("gemma2", "gemma3")
+# Gemma's layers: n - 1 sliding-window layers, then a global one (llama.cpp's swa patterns).
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 _SHARD_BYTES = 2 * 1024**3  # converted weights are written in shards of at most this size
 _INDEX_FILE = "model.safetensors.index.json"
@@ -469,22 +470,26 @@ def gguf_hf_config(header: GGUFHeader, rope_scaling: dict[str, Any] | None = Non
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in tensors,
     }
-    if arch == "gemma3":
-        # What llama.cpp reads (or fixes) for Gemma 3: a query scale of 1/sqrt(head_dim) but for
-        # the 27B model (62 layers, 1/sqrt(hidden/heads)), local layers' RoPE base 10000.
-        cfg["model_type"] = _HF_MODEL_TYPES[arch]
+    if arch in _GEMMA_SWA_PATTERN:
+        # What llama.cpp reads (or fixes) for Gemma 2 and 3: a query scale of 1/sqrt(head_dim) but
+        # for the 27B models (1/sqrt(hidden/heads)); Gemma 3's local layers' RoPE base 10000.
+        cfg["model_type"] = _HF_MODEL_TYPES.get(arch, arch)
         cfg["hidden_activation"] = "gelu_pytorch_tanh"
-        cfg["query_pre_attn_scalar"] = hidden // heads if cfg["num_hidden_layers"] == 62 else head_dim
+        big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+        cfg["query_pre_attn_scalar"] = hidden // heads if big else head_dim
         cfg["sliding_window"] = get("attention.sliding_window")
         cfg["layer_types"] = [
-            "full_attention" if (i + 1) % _GEMMA3_SWA_PATTERN == 0 else "sliding_attention"
+            "full_attention" if (i + 1) % _GEMMA_SWA_PATTERN[arch] == 0 else "sliding_attention"
             for i in range(cfg["num_hidden_layers"])
         ]
+        for key, gemma2_default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+            cfg[key] = get(key, gemma2_default if arch == "gemma2" else None)  # llama.cpp's defaults
+    if arch == "gemma3":
         local = {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 10000.0))}
         full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta"), **(rope_scaling or {})}
         cfg["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
         rope_scaling = None
-    else:
+    if arch not in _GEMMA_SWA_PATTERN:
         cfg["hidden_act"] = "silu"
     if arch == "phi3":  # HF's Phi3 applies its config's window to every layer, as verispec does
         cfg["sliding_window"] = get("attention.sliding_window")
