@@ -19,7 +19,7 @@ from tiny import loaded, torch_threads
 from verispec import kernels
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
-from verispec.models.decoder import Decoder, DecoderConfig
+from verispec.models.decoder import Decoder, DecoderConfig, rope_inv_freq
 from verispec.models.native import float_activations_, quantize_native_
 from verispec.speculative.draft_model import DraftModelDrafter
 from verispec.speculative.draft_tree import TreeDraftModelDrafter
@@ -137,3 +137,19 @@ def test_greedy_speculative_output_identical_to_plain(model):
         assert spec.output_ids == plain.output_ids
         assert spec.metrics.num_draft_tokens > 0
     assert trees.metrics.tree_rounds > 0
+
+
+def test_gemma3_config_scales_only_the_global_layers_rope():
+    """The larger Gemma 3 models scale RoPE linearly on their global layers only (transformers 5
+    keeps one set of RoPE parameters per layer type); the local layers keep base 10000."""
+    cfg = DecoderConfig.from_hf({
+        "architectures": ["Gemma3ForCausalLM"], "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
+        "sliding_window": 512, "query_pre_attn_scalar": 16, "hidden_activation": "gelu_pytorch_tanh",
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    assert [cfg.window(i) for i in range(6)] == [512] * 5 + [None]
+    unscaled = DecoderConfig(**{**cfg.__dict__, "rope_scaling": None})
+    assert torch.equal(rope_inv_freq(cfg), rope_inv_freq(unscaled) / 8.0)
+    assert torch.equal(rope_inv_freq(cfg, local=True), 1.0 / (1e4 ** (torch.arange(0, 16, 2).float() / 16)))
