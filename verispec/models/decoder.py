@@ -668,9 +668,7 @@ class Decoder(nn.Module):
             ropes[True] = self._rope(positions, self.inv_freq_local)
 
         fast = prefill and attn_mask is None and t >= PREFILL_MIN_TOKENS
-        x = self.embed(token_ids)  # [B, T, hidden]
-        if c.embed_scale:  # Gemma: sqrt(hidden) rounded to the activations' dtype, as HF does
-            x = x * torch.tensor(c.hidden_size**0.5).to(x.dtype)
+        x = self.embed_tokens(token_ids)  # [B, T, hidden]
         hidden = [x] if output_hidden_states else None
         # A native model without dense prefill copies prefills through its one-call layers: the
         # same kernels as the layer-by-layer path, without torch's elementwise ops between them,
@@ -733,6 +731,15 @@ class Decoder(nn.Module):
             weight, bias = (self.embed.weight, None) if head is None else (head.weight, head.bias)
             return invariant_linear(x, weight, bias).float()
         return head(x).float()
+
+    def embed_tokens(self, token_ids: Tensor) -> Tensor:
+        """The input embeddings ``[..., hidden]`` of ``token_ids``, scaled where the model scales
+        them (Gemma: by sqrt(hidden), rounded to float32 and then to the table's dtype, as HF
+        does); what EAGLE heads read as the target's embeddings."""
+        x = self.embed(token_ids)
+        if self.config.embed_scale:
+            x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
+        return x
 
     def _rope(self, positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
         freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
