@@ -33,6 +33,8 @@ pytestmark = [
 ]
 
 MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
+# Gemma 3 270M's weight types too (its top-1 check against transformers: tests/models/test_gemma3.py)
+REPACK_MODELS = MODELS + ["gemma3-270m"]
 # The 1.5B target repeats the 0.5B draft's check (the same weight types and kernels, wider
 # matrices) at over three minutes, most of it the float32 and bf16 reference passes: `-m long`.
 TOP1_MODELS = MODELS[:2] + [pytest.param(MODELS[2], marks=pytest.mark.long)]
@@ -40,7 +42,7 @@ TOKENS = 2000  # teacher-forced tokens per model
 CHUNK = 16  # rows per pass: verify-shaped passes, never the prefill path
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", REPACK_MODELS)
 def test_every_weight_type_repacks_to_gguf_dequantization(name):
     """One tensor of every (type, role) in the file, the LM head's included, bit for bit."""
     header = read_gguf_header(fetch(name, progress=False))

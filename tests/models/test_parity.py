@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from verispec.models.gguf_convert import GGUFTensors, metadata_dir, read_gguf_header
+from gguf_reference import transformers_on_the_file
 from verispec.models.loader import LoadedModel, load_model
 from verispec.models.registry import ModelFetchError
 
@@ -59,15 +60,7 @@ def _load(name: str) -> LoadedModel:
 
 def _hf_model(loaded: LoadedModel) -> torch.nn.Module:
     """transformers' implementation on the GGUF's tensors, with the configuration verispec read."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    meta = metadata_dir(loaded.source)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(meta), dtype=torch.float32).eval()
-    tensors = GGUFTensors(read_gguf_header(loaded.source), meta)
-    missing, unexpected = model.load_state_dict({name: tensors[name] for name in tensors}, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
-    model.tie_weights()
-    return model
+    return transformers_on_the_file(loaded)
 
 
 def _native_logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:

@@ -1,9 +1,24 @@
-"""One decoder for the Llama family: Llama, Qwen2, Mistral and SmolLM2.
+"""One decoder for the Llama family and its relatives: Llama, Qwen2, Qwen3, Mistral, SmolLM2, Phi-3,
+Gemma 2 and Gemma 3.
 
 The architectures differ only by configuration (qkv bias, tied embeddings, RoPE base and
 scaling, grouped-query attention, RMSNorm epsilon, sliding window), so one implementation serves
-them all. Weights arrive under Hugging Face names and are fused on load: q/k/v into one
-projection and gate/up into another, which halves the matmul calls per layer.
+them all. Qwen3 and Gemma 3 add per-head RMSNorms on q and k; Gemma 3 also scales the embedding
+by sqrt(hidden), stores its norms as ``w`` applied as ``1 + w`` (folded into the weight on load),
+wraps attention and MLP in norms on both sides, uses GeGLU (tanh GELU), a query scale of
+``query_pre_attn_scalar ** -0.5``, and alternates sliding-window layers (their own RoPE base)
+with global ones (``layer_types``). Gemma 2 has no q/k norms and no local RoPE base but caps its
+attention scores and final logits (``cap * tanh(x / cap)``); capped attention runs in PyTorch,
+as the native attention kernel has no cap. Weights arrive under Hugging Face names and are fused on
+load: q/k/v into one projection and gate/up into another, which halves the matmul calls per
+layer (Phi-3 stores them fused already). Layers of the plain Llama form may run as one native
+call (:func:`verispec.models.native.native_layer`); the others run this module's Python layer,
+with native projections where the GGUF's blocks allow.
+
+A sliding window is applied by RoPE position: a row at position p attends to keys at positions
+> p - window, where an entry cached by an earlier pass sits at its position (committed entries
+form a chain) and the pass's own entries have the positions it gives them (a tree's depths), so
+decode, verify and tree passes mask a row alike.
 
 Numerics are designed for *batch invariance*: a token's logits do not depend on how many other
 rows share the pass. Every reduction runs over the same length whatever T is (linear layers in
@@ -46,8 +61,35 @@ class DecoderConfig:
     rope_scaling: dict | None = None
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # applies to every layer unless layer_types says which
     max_position_embeddings: int = 4096
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # norms on attention's and the MLP's outputs too (Gemma 2/3)
+    norm_offset: float = 0.0  # checkpoint norm weights w scale by norm_offset + w (Gemma: 1)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_pytorch_tanh
+    embed_scale: bool = False  # multiply embeddings by sqrt(hidden_size) (Gemma)
+    layer_types: tuple[str, ...] | None = None  # per layer: sliding_attention or full_attention
+    rope_local_theta: float | None = None  # RoPE base of sliding_attention layers (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale is its ** -0.5 (default head_dim)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # the same on attention scores (Gemma 2)
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether every layer has the plain Llama form that the native one-call layer runs."""
+        return (not self.qk_norm and not self.sandwich_norms and self.hidden_act == "silu"
+                and self.layer_types is None and self.attn_scale == self.head_dim**-0.5
+                and self.attn_logit_softcapping is None)
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: it attends to every earlier position)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, cfg: Mapping) -> DecoderConfig:
@@ -60,14 +102,32 @@ class DecoderConfig:
                 f"verispec supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         rope_params = dict(cfg.get("rope_parameters") or {})
+        local_params = {}
+        if "full_attention" in rope_params:  # transformers 5: one set per layer type (Gemma 3)
+            local_params = dict(rope_params.get("sliding_attention") or {})
+            rope_params = dict(rope_params["full_attention"] or {})
         rope_scaling = cfg.get("rope_scaling") or None
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
         rope_theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
         num_heads = cfg["num_attention_heads"]
         sliding = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
             sliding = None
+        gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedModelError(f"partial rotary embeddings (factor {cfg['partial_rotary_factor']}) are not supported")
+        layer_types = None
+        if gemma:
+            pattern = cfg.get("sliding_window_pattern", 6 if arch == "Gemma3ForCausalLM" else 2)
+            layer_types = tuple(cfg.get("layer_types") or (
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                for i in range(cfg["num_hidden_layers"])))
+            if local_params.get("rope_type", "default") != "default":
+                raise UnsupportedModelError(f"unsupported rope scaling {local_params['rope_type']!r} on sliding layers")
+        local_theta = local_params.get("rope_theta") or cfg.get("rope_local_base_freq")
+        if arch == "Gemma3ForCausalLM" and not local_theta:
+            local_theta = 10000.0
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -84,11 +144,23 @@ class DecoderConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=sliding,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            sandwich_norms=gemma,
+            norm_offset=1.0 if gemma else 0.0,
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            embed_scale=gemma,
+            layer_types=layer_types,
+            rope_local_theta=float(local_theta) if local_theta else None,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") or None,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping") or None,
         )
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
-    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+            "phi3": "Phi3ForCausalLM"}.get(
         model_type or "", f"<model_type {model_type!r}>"
     )
 
@@ -104,12 +176,14 @@ def _check_rope_scaling(scaling: dict | None) -> dict | None:
     return None if kind == "default" else {**scaling, "rope_type": kind}
 
 
-def rope_inv_freq(config: DecoderConfig) -> Tensor:
-    """RoPE inverse frequencies [head_dim/2], with linear or llama3 scaling applied."""
+def rope_inv_freq(config: DecoderConfig, local: bool = False) -> Tensor:
+    """RoPE inverse frequencies [head_dim/2], with linear or llama3 scaling applied; ``local``:
+    those of sliding-window layers (their own base, unscaled) where the config has them."""
     d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    theta = config.rope_local_theta if local and config.rope_local_theta else config.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     s = config.rope_scaling
-    if s is None:
+    if s is None or (local and config.rope_local_theta):
         return inv
     if s["rope_type"] == "linear":
         return inv / s["factor"]
@@ -251,10 +325,13 @@ def linear(layer: nn.Module, x: Tensor, prefill: bool) -> Tensor:
     return layer(x)
 
 
-def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None,
+                      softcap: float | None = None) -> Tensor:
     """Masked attention with grouped-query heads, written to be batch invariant.
 
-    q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, T, S] bool (True = attend).
+    q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: [B, 1, T, S] bool (True = attend); ``scale``
+    multiplies the scores (default ``D ** -0.5``), then ``softcap``, if any, caps them
+    (``cap * tanh(s / cap)``, Gemma 2).
     The G = H / Hkv query heads that share a KV head are folded into the rows of one matmul, so
     K and V are never repeated. Scores and softmax run in float32. Each output row reduces over
     exactly S keys whatever T is; ``F.scaled_dot_product_attention`` on CPU does not guarantee
@@ -264,7 +341,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     hkv = k.shape[1]
     g = h // hkv
     qg = q.reshape(b, hkv, g * t, d)  # rows ordered (head-in-group, token)
-    scores = invariant_matmul(qg, k.transpose(-1, -2)).float() * (d**-0.5)  # [B, Hkv, G*T, S]
+    scores = _cap(invariant_matmul(qg, k.transpose(-1, -2)).float() * (scale or d**-0.5), softcap)  # [B, Hkv, G*T, S]
     scores = scores.view(b, hkv, g, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, g * t, -1)
     return invariant_matmul(probs, v).reshape(b, h, t, d)
@@ -303,7 +380,12 @@ def native_attention(q: Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype == torch.float32 and q.shape[-1] % 16 == 0 and kernels.available()
 
 
-def row_attention(q: Tensor, k: Tensor, v: Tensor, rows: RowKeys) -> Tensor:
+def _cap(scores: Tensor, softcap: float | None) -> Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def row_attention(q: Tensor, k: Tensor, v: Tensor, rows: RowKeys, scale: float | None = None,
+                  softcap: float | None = None) -> Tensor:
     """Attention in which every row reduces over its own keys packed to the front.
 
     q: [B, H, T, D]; k, v: [B, Hkv, S, D]. Each row gathers its keys and values into the
@@ -320,7 +402,7 @@ def row_attention(q: Tensor, k: Tensor, v: Tensor, rows: RowKeys) -> Tensor:
     keys = k[:, :, None].expand(b, hkv, t, s, d).gather(3, idx)  # [B, Hkv, T, S, D]
     values = v[:, :, None].expand(b, hkv, t, s, d).gather(3, idx)
     qg = q.reshape(b, hkv, g, t, d).transpose(2, 3)  # [B, Hkv, T, G, D]
-    scores = invariant_matmul(qg, keys.transpose(-1, -2)).float() * (d**-0.5)  # [B, Hkv, T, G, S]
+    scores = _cap(invariant_matmul(qg, keys.transpose(-1, -2)).float() * (scale or d**-0.5), softcap)  # [B, Hkv, T, G, S]
     scores = scores.masked_fill(~rows.mask[:, None, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = invariant_matmul(probs, values)  # [B, Hkv, T, G, D]
@@ -328,14 +410,26 @@ def row_attention(q: Tensor, k: Tensor, v: Tensor, rows: RowKeys) -> Tensor:
 
 
 class DecoderLayer(nn.Module):
+    """One layer. ``input_norm`` feeds attention and ``post_attn_norm`` feeds the MLP (HF's
+    ``post_attention_layernorm`` in Llama, ``pre_feedforward_layernorm`` in Gemma); with sandwich
+    norms ``attn_out_norm`` and ``mlp_out_norm`` norm each branch's output before its residual."""
+
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale, self.softcap = c.attn_scale, c.attn_logit_softcapping
+        self.gelu = c.hidden_act == "gelu_pytorch_tanh"
+        if c.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise UnsupportedModelError(f"unsupported MLP activation {c.hidden_act!r}; verispec runs silu and gelu_pytorch_tanh")
         q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.split = (q_out, kv_out, kv_out)
         self.input_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.attn_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if c.sandwich_norms else None
         self.qkv = nn.Linear(c.hidden_size, q_out + 2 * kv_out, bias=c.qkv_bias)
         self.o_proj = nn.Linear(q_out, c.hidden_size, bias=False)
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
@@ -358,23 +452,23 @@ class DecoderLayer(nn.Module):
         q, k, v = steps.attention_inputs(self, x, cos, sin, prefill)
         cache.write(layer, slots, k, v)
         keys, values = cache.view(layer, slots, attend_len)  # [B, Hkv, S, D]
-        if native_attention(q):  # reads a float16 cache as it is
+        if native_attention(q) and self.softcap is None:  # reads a float16 cache as it is
             rows = mask.attend if isinstance(mask, RowKeys) else mask[:, 0]
-            attn = kernels.attention(q, keys, values, rows, self.head_dim**-0.5)
+            attn = kernels.attention(q, keys, values, rows, self.scale)
             return steps.output(self, x, attn.transpose(1, 2).reshape(b, t, -1), prefill)
         if keys.dtype != q.dtype:  # a cache kept in another dtype (Decoder.kv_cache_dtype)
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         if isinstance(mask, RowKeys):
-            attn = row_attention(q, keys, values, mask)  # [B, H, T, D]
+            attn = row_attention(q, keys, values, mask, self.scale, self.softcap)  # [B, H, T, D]
         elif prefill and _upcast(x):
-            attn = grouped_attention(q.float(), keys.float(), values.float(), mask).to(x.dtype)
-        elif prefill and x.dtype == torch.float32:
+            attn = grouped_attention(q.float(), keys.float(), values.float(), mask, self.scale, self.softcap).to(x.dtype)
+        elif prefill and x.dtype == torch.float32 and self.softcap is None:
             # a long prompt in float32 without the native kernels: one fused attention call. Its
             # rows need not match decode steps (plain and speculative decoding prefill alike),
             # and the row-chunked form made a long prompt's prefill measurably slower.
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale)
         else:
-            attn = grouped_attention(q, keys, values, mask)  # [B, H, T, D]
+            attn = grouped_attention(q, keys, values, mask, self.scale, self.softcap)  # [B, H, T, D]
         return steps.output(self, x, attn.transpose(1, 2).reshape(b, t, -1), prefill)
 
     def attention_inputs(self, x: Tensor, cos: Tensor, sin: Tensor, prefill: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -382,7 +476,7 @@ class DecoderLayer(nn.Module):
         b, t, _ = x.shape
         if not prefill and isinstance(self.qkv, NativeLinear):  # the kernels apply the norm
             qkv = self.qkv(x, norm=self.input_norm)
-            if qkv.dtype == torch.float32 and cos.dtype == torch.float32:  # split and RoPE too
+            if qkv.dtype == torch.float32 and cos.dtype == torch.float32 and self.q_norm is None:  # split and RoPE too
                 return kernels.qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads)
         else:
             qkv = linear(self.qkv, self.input_norm(x), prefill)
@@ -390,6 +484,8 @@ class DecoderLayer(nn.Module):
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def output(self, x: Tensor, attn: Tensor, prefill: bool) -> Tensor:
@@ -410,6 +506,8 @@ class DecoderLayer(nn.Module):
                                       for m in (self.o_proj, self.gate_up, self.down))
 
     def _output(self, x: Tensor, attn: Tensor, prefill: bool) -> Tensor:
+        if self.gelu or self.attn_out_norm is not None:
+            return self._sandwich_output(x, attn, prefill)
         if not prefill and all(isinstance(m, NativeLinear) for m in (self.o_proj, self.gate_up, self.down)):
             # the kernels add the residuals, apply the norm and make silu(gate) * up themselves
             x = self.o_proj(attn, residual=x)
@@ -417,6 +515,19 @@ class DecoderLayer(nn.Module):
         x = x + linear(self.o_proj, attn, prefill)
         gate, up = linear(self.gate_up, self.post_attn_norm(x), prefill).chunk(2, dim=-1)
         return x + linear(self.down, F.silu(gate) * up, prefill)
+
+    def _sandwich_output(self, x: Tensor, attn: Tensor, prefill: bool) -> Tensor:
+        """:meth:`_output` with norms on the branches' outputs (if any) and the configured
+        activation; a native layer still applies the MLP's input norm itself."""
+        a = linear(self.o_proj, attn, prefill)
+        x = x + (a if self.attn_out_norm is None else self.attn_out_norm(a))
+        if not prefill and isinstance(self.gate_up, NativeLinear):
+            gate, up = self.gate_up(x, norm=self.post_attn_norm).chunk(2, dim=-1)
+        else:
+            gate, up = linear(self.gate_up, self.post_attn_norm(x), prefill).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        m = linear(self.down, act * up, prefill)
+        return x + (m if self.mlp_out_norm is None else self.mlp_out_norm(m))
 
 
 class LayerSteps:
@@ -464,7 +575,7 @@ def _no_random_init():
 
 
 class Decoder(nn.Module):
-    """Llama-family causal LM over a :class:`KVCache`."""
+    """Causal LM (the Llama family, Qwen3, Phi-3, Gemma 2 and 3) over a :class:`KVCache`."""
 
     # Run each layer of a float32 pass on the native kernels as one native call
     # (:func:`verispec.models.native.native_layer`; the same bits as the Python layer, which
@@ -487,8 +598,9 @@ class Decoder(nn.Module):
             config.hidden_size, config.vocab_size, bias=False
         )
         with torch.device("cpu"):  # computed, even where the model is built weightless (meta)
-            inv_freq = rope_inv_freq(config)
+            inv_freq, inv_freq_local = rope_inv_freq(config), rope_inv_freq(config, local=True)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq_local", inv_freq_local, persistent=False)
         self.steps = EAGER_STEPS  # verispec.models.compile.compile_decoder swaps in compiled steps
         self.requires_grad_(False)
 
@@ -513,6 +625,7 @@ class Decoder(nn.Module):
                 if b is not None and b.is_meta:
                     module._buffers[name] = torch.empty_like(b, device=device)
         model.inv_freq = rope_inv_freq(config).to(device)
+        model.inv_freq_local = rope_inv_freq(config, local=True).to(device)
         return model
 
     @property
@@ -533,7 +646,7 @@ class Decoder(nn.Module):
         which prefix caching relies on (:mod:`verispec.engine.engine`). Elsewhere torch's
         attention matmuls change a row's last bits with the number of keys a pass spans."""
         return (self.device.type == "cpu" and self.dtype == torch.float32 and self.config.head_dim % 16 == 0
-                and kernels.available())
+                and self.config.attn_logit_softcapping is None and kernels.available())
 
     def prefills_on_the_decode_kernels(self) -> bool:
         """Whether a long prompt's prefill runs the same linear kernels as the decode path: a
@@ -568,8 +681,8 @@ class Decoder(nn.Module):
         """Run T new tokens per row, append their K/V to the cache and return logits.
 
         ``attn_mask`` (True = attend) covers cache indices; row b's new tokens sit at indices
-        ``kv_cache.lengths[slots[b]] + [0, T)``. Without it the mask is causal (plus the sliding
-        window, if any). ``num_logits`` computes logits for the last n rows only (prefill needs
+        ``kv_cache.lengths[slots[b]] + [0, T)``. Without it the mask is causal. A layer's sliding
+        window, if any, cuts either mask by position (see the module docstring). ``num_logits`` computes logits for the last n rows only (prefill needs
         just the last). A masked pass computes every row as a decode step would (see
         :func:`row_attention`), so tree rows are bitwise equal to plain decoding. ``prefill``
         marks a prompt's first pass, which may take the faster path of ``PREFILL_MIN_TOKENS``;
@@ -585,14 +698,16 @@ class Decoder(nn.Module):
         kv_cache.check_room(slots, t)
         starts = [kv_cache.lengths[s] for s in slots]
         attend_len = kv_cache.attend_len(max(starts) + t)
-        mask = self._mask(starts, t, attend_len, attn_mask, positions.device)
-
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        c = self.config
+        windows = [c.window(i) for i in range(c.num_layers)]  # per layer
+        masks = {w: self._mask(starts, t, attend_len, attn_mask, positions, w) for w in set(windows)}
+        local = [w is not None and c.rope_local_theta is not None for w in windows]  # per layer
+        ropes = {False: self._rope(positions, self.inv_freq)}  # cos, sin: [B, 1, T, D] each
+        if any(local):
+            ropes[True] = self._rope(positions, self.inv_freq_local)
 
         fast = prefill and attn_mask is None and t >= PREFILL_MIN_TOKENS
-        x = self.embed(token_ids)  # [B, T, hidden]
+        x = self.embed_tokens(token_ids)  # [B, T, hidden]
         hidden = [x] if output_hidden_states else None
         # A native model without dense prefill copies prefills through its one-call layers: the
         # same kernels as the layer-by-layer path, without torch's elementwise ops between them,
@@ -601,16 +716,17 @@ class Decoder(nn.Module):
         fast = fast and natives is None
         steps = EAGER_STEPS if fast else self.steps
         if natives is not None:  # native attention reads the mask in cache order (RowKeys.attend)
-            rows = mask[:, 0]
+            rows = masks[windows[0]][:, 0]  # one window for all layers (DecoderConfig.llama_layers)
+            cos, sin = ropes[False]
             for i, layer in enumerate(natives):
                 x = layer.forward(x, cos, sin, kv_cache.k[i], kv_cache.v[i], slots, starts, attend_len, rows)
                 if hidden is not None and i < len(natives) - 1:
                     hidden.append(x)
         else:
             # A masked pass (a draft tree) verifies drafts: its rows must compute like decode steps.
-            keys = mask if attn_mask is None else RowKeys.from_mask(mask[:, 0])
+            keys = {w: m if attn_mask is None else RowKeys.from_mask(m[:, 0]) for w, m in masks.items()}
             for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, kv_cache, i, slots, keys, attend_len, fast, steps)
+                x = layer(x, *ropes[local[i]], kv_cache, i, slots, keys[windows[i]], attend_len, fast, steps)
                 if hidden is not None and i < len(self.layers) - 1:
                     hidden.append(x)
         kv_cache.advance(slots, t)
@@ -620,13 +736,15 @@ class Decoder(nn.Module):
         if num_logits is not None:
             x = x[:, -num_logits:]
         logits = self.logits(x) if head is None else head(x)
+        if c.final_logit_softcapping:
+            logits = c.final_logit_softcapping * torch.tanh(logits / c.final_logit_softcapping)
         return DecoderOutput(logits, hidden) if output_hidden_states else logits
 
     def _native_layers(self, x: Tensor) -> list | None:
         """The layers as native one-call objects for a float32 pass whose attention runs on the
         native kernel (see :func:`native_attention`), or None unless every layer qualifies.
         Made again when a layer's projections or norm weights are replaced."""
-        if not (self.native_layers and x.dtype == torch.float32 and x.device.type == "cpu"
+        if not (self.native_layers and self.config.llama_layers and x.dtype == torch.float32 and x.device.type == "cpu"
                 and self.config.head_dim % 16 == 0 and kernels.available()):
             return None
         # what the layers are made from, read from the modules' own dicts (nn.Module's attribute
@@ -653,26 +771,46 @@ class Decoder(nn.Module):
             return invariant_linear(x, weight, bias).float()
         return head(x).float()
 
+    def embed_tokens(self, token_ids: Tensor) -> Tensor:
+        """The input embeddings ``[..., hidden]`` of ``token_ids``, scaled where the model scales
+        them (Gemma: by sqrt(hidden), rounded to float32 and then to the table's dtype, as HF
+        does); what EAGLE heads read as the target's embeddings."""
+        x = self.embed(token_ids)
+        if self.config.embed_scale:
+            x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
+        return x
+
+    def _rope(self, positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
     def _mask(
-        self, starts: list[int], t: int, attend_len: int, attn_mask: Tensor | None, device: torch.device
+        self, starts: list[int], t: int, attend_len: int, attn_mask: Tensor | None, positions: Tensor,
+        window: int | None,
     ) -> Tensor:
-        """Boolean attention mask [B, 1, T, attend_len] over cache indices."""
+        """Boolean attention mask [B, 1, T, attend_len] over cache indices: causal, or
+        ``attn_mask``; with a ``window``, only keys at positions > position - window (see the
+        module docstring)."""
+        device = positions.device
         kv_idx = torch.arange(attend_len, device=device)  # [S]
         q_idx = torch.tensor(starts, device=device)[:, None] + torch.arange(t, device=device)  # [B, T]
         if attn_mask is None:
             mask = kv_idx[None, None, :] <= q_idx[:, :, None]  # [B, T, S]
-            if self.config.sliding_window is not None:
-                mask &= kv_idx[None, None, :] > q_idx[:, :, None] - self.config.sliding_window
         else:
             if attn_mask.dim() != 3 or attn_mask.shape[:2] != (len(starts), t):
                 raise ValueError(f"attn_mask must be [batch, T, K]; got {tuple(attn_mask.shape)}")
             k = min(attn_mask.shape[-1], attend_len)
             mask = torch.zeros(len(starts), t, attend_len, dtype=torch.bool, device=device)
             mask[..., :k] = attn_mask[..., :k].to(device=device, dtype=torch.bool)
+        if window is not None:
+            key_pos = kv_idx.expand(len(starts), -1).scatter(1, q_idx, positions.to(kv_idx.dtype))  # [B, S]
+            mask &= key_pos[:, None, :] > positions[:, :, None] - window
         return mask[:, None]
 
     def load_hf_weights(self, tensors: Mapping[str, Tensor]) -> None:
-        """Copy weights given under Hugging Face names, fusing q/k/v and gate/up."""
+        """Copy weights given under Hugging Face names, fusing q/k/v and gate/up; norm weights
+        ``w`` are stored as ``norm_offset + w`` (computed in float32, as HF's Gemma norms do)."""
         missing: list[str] = []
 
         def get(name: str) -> Tensor:
@@ -698,7 +836,7 @@ class Decoder(nn.Module):
         with torch.no_grad():
             if isinstance(self.embed, nn.Embedding):  # else the file's own table (GGUFEmbedding)
                 put(self.embed.weight, "model.embed_tokens.weight")
-            put(self.norm.weight, "model.norm.weight")
+            norms = [(self.norm, "model.norm.weight")]
             # layers built finished (native layers on a GGUF's blocks, Decoder.empty's build)
             # hold their weights already
             dense = lambda m: isinstance(m, nn.Linear)  # noqa: E731
@@ -707,18 +845,34 @@ class Decoder(nn.Module):
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 attn = [p + f"self_attn.{n}_proj" for n in "qkv"]
+                if p + "self_attn.qkv_proj.weight" in tensors:  # Phi3 stores the fused weights
+                    attn = [p + "self_attn.qkv_proj"]
                 if dense(layer.qkv):
                     put(layer.qkv.weight, *(n + ".weight" for n in attn))
                     if layer.qkv.bias is not None:
                         put(layer.qkv.bias, *(n + ".bias" for n in attn))
                 if dense(layer.o_proj):
                     put(layer.o_proj.weight, p + "self_attn.o_proj.weight")
+                gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+                if p + "mlp.gate_up_proj.weight" in tensors:  # [gate | up], as fused here
+                    gate_up = [p + "mlp.gate_up_proj.weight"]
                 if dense(layer.gate_up):
-                    put(layer.gate_up.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+                    put(layer.gate_up.weight, *gate_up)
                 if dense(layer.down):
                     put(layer.down.weight, p + "mlp.down_proj.weight")
-                put(layer.input_norm.weight, p + "input_layernorm.weight")
-                put(layer.post_attn_norm.weight, p + "post_attention_layernorm.weight")
+                norms.append((layer.input_norm, p + "input_layernorm.weight"))
+                if layer.attn_out_norm is None:
+                    norms.append((layer.post_attn_norm, p + "post_attention_layernorm.weight"))
+                else:  # Gemma's names: the MLP's input norm is its pre_feedforward_layernorm
+                    norms += [(layer.attn_out_norm, p + "post_attention_layernorm.weight"),
+                              (layer.post_attn_norm, p + "pre_feedforward_layernorm.weight"),
+                              (layer.mlp_out_norm, p + "post_feedforward_layernorm.weight")]
+                if layer.q_norm is not None:
+                    norms += [(layer.q_norm, p + "self_attn.q_norm.weight"), (layer.k_norm, p + "self_attn.k_norm.weight")]
+            for norm, name in norms:
+                put(norm.weight, name)
+                if self.config.norm_offset and not missing:
+                    norm.weight.copy_(self.config.norm_offset + get(name).float())
         if missing:
             shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing weights: {shown}")

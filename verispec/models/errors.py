@@ -13,7 +13,8 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "CorruptGGUFError", "ModelFileNotFoundErro
            "UnsupportedModelError"]
 
 # The Hugging Face architectures the decoder runs (named in UnsupportedModelError's messages).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM")
 
 
 class ModelLoadError(ValueError):

@@ -16,7 +16,8 @@ lies inside the file, so a truncated or corrupt file fails fast with a clear mes
 unsupported architecture be rejected before any slow work. ``config.json`` is built from the
 metadata the way llama.cpp reads it (:func:`gguf_hf_config`); tensors are dequantized with the
 ``gguf`` package, renamed with gguf-py's tensor-name tables and, for Llama, llama.cpp's Q/K row
-interleave is undone. The tokenizer is transformers' own GGUF tokenizer
+interleave is undone; Gemma's norm weights, which llama.cpp stores as ``1 + w``, go back to HF's
+``w``, and Llama 3's ``rope_freqs`` tensor becomes the ``llama3`` rope scaling it encodes. The tokenizer is transformers' own GGUF tokenizer
 (``AutoTokenizer.from_pretrained(..., gguf_file=...)``) with the chat template from the
 metadata; it is the slow step (transformers parses the whole vocabulary twice).
 
@@ -26,9 +27,11 @@ copied in. A converted checkpoint stores matrices in bfloat16 and vectors (norm 
 biases) in float32, so transformers' baselines run the file's weights rounded to bfloat16
 (relative error <= 2^-8, far below the quantization error itself).
 
-Not read (clear errors instead): architectures other than llama/qwen2, mixture-of-experts
-models, split GGUF files, RoPE scaling other than linear and per-dimension ``rope_freqs``
-factors (Llama 3.1+).
+Read: the GGUF architectures in :data:`GGUF_ARCHITECTURES` (llama, qwen2, qwen3, gemma2,
+gemma3, phi3, whose fused ``attn_qkv`` and gate-and-up ``ffn_up`` tensors map to HF's fused Phi3
+weights). Not read (clear errors, before any slow work): other architectures (mixture-of-experts,
+state-space, multimodal), split GGUF files, RoPE scaling other than linear and ``rope_freqs``
+factors that match no Llama 3 scaling.
 
 Both caches are written into a temporary directory next to the entry and moved into place with
 one :func:`os.replace`, under a per-entry file lock, so an interrupted build never leaves a
@@ -89,7 +92,16 @@ CONVERSION_VERSION = 1
 
 # GGUF ``general.architecture`` values verispec converts, and the HF architecture each becomes.
 # Mistral models are stored as "llama" in GGUF (llama.cpp runs them without a sliding window).
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                      "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                                      "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+# The HF model_type of each, where it differs from the GGUF name.
+_HF_MODEL_TYPES = {"gemma3": "gemma3_text"}
+# llama.cpp's converter stores Gemma's RMSNorm weights w as 1 + w (it computes x * w); HF keeps w.
+_NORM_SHIFTED = ("gemma2", "gemma3")
+# Gemma's layers: n - 1 sliding-window layers, then a global one (llama.cpp's swa patterns).
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 _SHARD_BYTES = 2 * 1024**3  # converted weights are written in shards of at most this size
 _INDEX_FILE = "model.safetensors.index.json"
@@ -404,7 +416,8 @@ def _check_gguf_supported(header: GGUFHeader) -> dict[str, Any] | None:
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{header.path}: unsupported GGUF architecture {arch!r}; verispec converts GGUF "
-            f"architectures {', '.join(GGUF_ARCHITECTURES)} (Mistral GGUFs use 'llama') and runs "
+            f"architectures {', '.join(GGUF_ARCHITECTURES)} (Mistral GGUFs use 'llama'; no "
+            "mixture-of-experts, state-space or multimodal models) and runs "
             f"Hugging Face architectures {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     split_count = md.get("split.count")
@@ -424,11 +437,12 @@ def _check_gguf_supported(header: GGUFHeader) -> dict[str, Any] | None:
     names = {t.name for t in header.tensors}
     if "token_embd.weight" not in names:
         raise CorruptGGUFError(header.path, "there is no token_embd.weight tensor")
-    if "rope_freqs.weight" in names:
+    if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
         raise UnsupportedModelError(
-            f"{header.path}: per-dimension RoPE frequency factors (the rope_freqs tensor, as in "
-            "Llama 3.1+ GGUFs) are not supported; load the original Hugging Face checkpoint instead"
+            f"{header.path}: LongRoPE (the rope_factors_long/short tensors of Phi-3 128k models) is not supported"
         )
+    if "rope_freqs.weight" in names:
+        return _llama3_scaling(header)
     scaling = md.get(f"{arch}.rope.scaling.type")
     if scaling in (None, "none"):
         return None
@@ -438,6 +452,41 @@ def _check_gguf_supported(header: GGUFHeader) -> dict[str, Any] | None:
     raise UnsupportedModelError(
         f"{header.path}: RoPE scaling {scaling!r} (factor {factor!r}) is not supported for GGUF "
         "files; verispec converts unscaled and linear RoPE"
+    )
+
+
+def _llama3_scaling(header: GGUFHeader) -> dict[str, Any]:
+    """The HF ``llama3`` RoPE scaling that llama.cpp's converter wrote as the ``rope_freqs``
+    tensor (per-dimension divisors of the frequencies, Llama 3.1+).
+
+    The tensor does not name its parameters, so the ones every Llama 3.x release uses (low and
+    high frequency factors 1 and 4, an original context of 8192, or the one the metadata gives)
+    are tried with the tensor's largest factor, and accepted where they reproduce the tensor as
+    the converter computes it. transformers' own GGUF loader ignores the tensor (it runs such a
+    file unscaled); llama.cpp and the HF checkpoint apply the scaling, as verispec does."""
+    arch = header.architecture or ""
+    if arch != "llama":
+        raise UnsupportedModelError(f"{header.path}: a rope_freqs tensor in a {arch!r} model is not supported")
+    md = header.metadata
+    info = next(t for t in header.tensors if t.name == "rope_freqs.weight")
+    factors = _dequantize(np.memmap(header.path, dtype=np.uint8, mode="r"), info, header.path).astype(np.float64)
+    heads = md[f"{arch}.attention.head_count"]
+    dim = md.get(f"{arch}.rope.dimension_count") or md[f"{arch}.embedding_length"] // heads
+    theta = float(md.get(f"{arch}.rope.freq_base", 10000.0))
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old_lens = {8192, md.get(f"{arch}.rope.scaling.original_context_length") or 8192}
+    for old_len in sorted(old_lens):
+        scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": int(old_len)}
+        wavelen = 2 * math.pi / freqs
+        smooth = (old_len / wavelen - 1.0) / (4.0 - 1.0)
+        expected = np.where(wavelen < old_len / 4.0, 1.0, np.where(
+            wavelen > old_len / 1.0, scaling["factor"], 1 / ((1 - smooth) / scaling["factor"] + smooth)))
+        if factors.shape == expected.shape and np.allclose(factors, expected, rtol=1e-5, atol=0):
+            return scaling
+    raise UnsupportedModelError(
+        f"{header.path}: the rope_freqs tensor (per-dimension RoPE factors) matches no Llama 3 "
+        "scaling verispec knows; load the original Hugging Face checkpoint instead"
     )
 
 
@@ -476,8 +525,33 @@ def gguf_hf_config(header: GGUFHeader, rope_scaling: dict[str, Any] | None = Non
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "hidden_act": "silu",
     }
+    if arch in _GEMMA_SWA_PATTERN:
+        # What llama.cpp reads (or fixes) for Gemma 2 and 3: a query scale of 1/sqrt(head_dim) but
+        # for the 27B models (1/sqrt(hidden/heads)); Gemma 3's local layers' RoPE base 10000.
+        cfg["model_type"] = _HF_MODEL_TYPES.get(arch, arch)
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+        cfg["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+        cfg["sliding_window"] = get("attention.sliding_window")
+        cfg["layer_types"] = [
+            "full_attention" if (i + 1) % _GEMMA_SWA_PATTERN[arch] == 0 else "sliding_attention"
+            for i in range(cfg["num_hidden_layers"])
+        ]
+        for key, gemma2_default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+            cfg[key] = get(key, gemma2_default if arch == "gemma2" else None)  # llama.cpp's defaults
+    if arch == "gemma3":
+        local = {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 10000.0))}
+        full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta"), **(rope_scaling or {})}
+        cfg["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+        rope_scaling = None
+    if arch not in _GEMMA_SWA_PATTERN:
+        cfg["hidden_act"] = "silu"
+    if arch == "phi3":  # HF's Phi3 applies its config's window to every layer, as verispec does
+        cfg["sliding_window"] = get("attention.sliding_window")
+    if arch == "qwen3":
+        cfg["attention_bias"] = False
+        cfg["use_sliding_window"] = False
     if arch == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "qwen2":
@@ -505,7 +579,7 @@ def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: 
 
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg)
-    config.architectures = [GGUF_ARCHITECTURES[model_type]]
+    config.architectures = [GGUF_ARCHITECTURES[header.architecture]]
     hf_tok.save_pretrained(str(out))
     config.save_pretrained(str(out))
     generation = GenerationConfig(bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos,
@@ -605,11 +679,14 @@ def rotary_permutation(header: GGUFHeader, cfg: Mapping[str, Any]) -> dict[str, 
 
 def hf_array(header: GGUFHeader, info: GGUFTensorInfo, data: np.ndarray, permute_heads: Mapping[str, int]) -> np.ndarray:
     """One tensor as transformers holds it: dequantized to float32 (an own, contiguous array, not
-    a view of the file), with llama.cpp's rotary row interleave undone where it applies."""
+    a view of the file), with llama.cpp's rotary row interleave undone and Gemma's norm weights
+    shifted back by one (llama.cpp's converter stores 1 + w) where those apply."""
     array = _dequantize(data, info, header.path)
     kind = info.name.split(".")[-2] if info.name.count(".") >= 2 else ""
     if kind in permute_heads:
         array = _unpermute_rotary(array, permute_heads[kind])
+    if header.architecture in _NORM_SHIFTED and info.name.endswith("norm.weight"):
+        array = array - np.float32(1.0)
     if array.dtype != np.float32 or not array.flags.c_contiguous or not array.flags.writeable:
         array = np.array(array, dtype=np.float32)
     return array
@@ -690,7 +767,8 @@ def _write_weights(
         for info in header.tensors:
             hf_name = name_map.get(info.name)
             if hf_name is None:
-                unmapped.append(info.name)
+                if info.name != "rope_freqs.weight":  # in config.json as rope_scaling
+                    unmapped.append(info.name)
                 bar.update(info.nbytes)
                 continue
             array = hf_array(header, info, data, permute_heads)

@@ -466,6 +466,7 @@ class GGUFEmbedding(nn.Module):
 # the output dimension in this order), under ``model.layers.<i>.``.
 _FUSED_PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
                 "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+_FUSED_TENSORS = {"qkv": "self_attn.qkv_proj", "gate_up": "mlp.gate_up_proj"}  # the one-tensor forms
 
 
 def install_gguf_layers_(model: nn.Module, tensors, *, keep_dense: bool | None = None,
@@ -529,6 +530,9 @@ def install_gguf_layers_(model: nn.Module, tensors, *, keep_dense: bool | None =
     dense = 0
     for i, layer in enumerate(model.layers):
         for attr, names in _FUSED_PARTS.items():
+            fused = _FUSED_TENSORS.get(attr)  # Phi-3's files hold q/k/v as one tensor, gate and up as one
+            if fused and tensors.info(f"model.layers.{i}.{fused}.weight") is not None:
+                names = (fused,)
             old = getattr(layer, attr)
             new = native(old, [f"model.layers.{i}.{n}" for n in names])
             dense += new is old

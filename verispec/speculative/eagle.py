@@ -223,7 +223,7 @@ def make_eagle_drafter(config, context: DrafterContext) -> EagleDrafter:
     budget = config.tree_budget if config.is_tree else None
 
     def target_embed(ids: Tensor) -> Tensor:
-        return decoder.embed(ids)
+        return decoder.embed_tokens(ids)
 
     return EagleDrafter(head, target_embed, context.max_model_len, context.max_num_seqs,
                         topk=config.speculative_eagle_topk, budget=budget)

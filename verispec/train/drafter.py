@@ -306,7 +306,7 @@ def train_eagle(target, rows: list[list[int]], out: Path, settings: TrainSetting
                     for r in rows]
 
     def embed(ids: Tensor) -> Tensor:
-        return decoder.embed(ids).float()
+        return decoder.embed_tokens(ids).float()
 
     def row_loss(i: int) -> Tensor:
         ids = torch.tensor([rows[i]])
