@@ -601,6 +601,9 @@ class Decoder(nn.Module):
             inv_freq, inv_freq_local = rope_inv_freq(config), rope_inv_freq(config, local=True)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("inv_freq_local", inv_freq_local, persistent=False)
+        # each layer's window and whether it takes the local RoPE base (the config is frozen)
+        self._windows = tuple(config.window(i) for i in range(config.num_layers))
+        self._local = tuple(w is not None and config.rope_local_theta is not None for w in self._windows)
         self.steps = EAGER_STEPS  # verispec.models.compile.compile_decoder swaps in compiled steps
         self.requires_grad_(False)
 
@@ -699,9 +702,8 @@ class Decoder(nn.Module):
         starts = [kv_cache.lengths[s] for s in slots]
         attend_len = kv_cache.attend_len(max(starts) + t)
         c = self.config
-        windows = [c.window(i) for i in range(c.num_layers)]  # per layer
+        windows, local = self._windows, self._local  # per layer
         masks = {w: self._mask(starts, t, attend_len, attn_mask, positions, w) for w in set(windows)}
-        local = [w is not None and c.rope_local_theta is not None for w in windows]  # per layer
         ropes = {False: self._rope(positions, self.inv_freq)}  # cos, sin: [B, 1, T, D] each
         if any(local):
             ropes[True] = self._rope(positions, self.inv_freq_local)

@@ -26,13 +26,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verispec import kernels
-from verispec.kernels import KernelError
 from verispec.models.errors import ModelLoadError, UnsupportedModelError
 from verispec.models.gguf_convert import (
     GGUF_ARCHITECTURES, GGUFHeader, GGUFTensorInfo, ggml_type_name, read_gguf_header,
 )
-from verispec.models.native import dense_prefill_choice
+from verispec.models.native import dense_prefill_choice, kernels_refusal
 
 __all__ = ["GGUFInspection", "TypeRow", "inspect_gguf", "format_inspection"]
 
@@ -133,19 +131,13 @@ def inspect_gguf(path: str | Path) -> GGUFInspection:
             route = "float32 vector" if len(info.shape) == 1 else "dense (not a linear layer)"
             weights += numel * 4
         if linear:
-            n, k = info.shape
-            try:
-                kernels.check_format(info.ggml_type, n, k)
-            except KernelError as exc:
-                reason = f"{type_name}: {exc}" if info.ggml_type in kernels.FORMATS.values() else (
-                    f"{type_name} is not run by the kernels")
+            reason = kernels_refusal(info)
+            if reason is not None:
                 dense_reasons[reason] = dense_reasons.get(reason, 0) + 1
-                if info.name != "token_embd.weight":
-                    route = "dense float32 (fallback)"
-                    weights += numel * 4  # the native model's activations, and so these layers, are float32
-                else:  # a tied head the kernels do not run multiplies by a dense table
-                    route = "embedding table and LM head, dense float32 (fallback)"
-                    weights += numel * 4
+                # float32, as the native model's activations; a tied head multiplies by the table
+                route = ("dense float32 (fallback)" if info.name != "token_embd.weight"
+                         else "embedding table and LM head, dense float32 (fallback)")
+                weights += numel * 4
             else:
                 repacked += info.nbytes
                 weights += info.nbytes

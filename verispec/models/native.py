@@ -462,6 +462,17 @@ class GGUFEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {ggml_type_name(self.ggml_type)} blocks"
 
 
+def kernels_refusal(info) -> str | None:
+    """Why the kernels cannot run a 2-D GGUF tensor (a :class:`GGUFTensorInfo`), or None."""
+    try:
+        kernels.check_format(info.ggml_type, *info.shape)
+    except KernelError as exc:
+        if info.ggml_type in kernels.FORMATS.values():
+            return str(exc)  # a type they run, in a shape off their grid
+        return f"{ggml_type_name(info.ggml_type)} is not run by the kernels"
+    return None
+
+
 # Each fused projection of a decoder layer and the Hugging Face names of its parts (stacked along
 # the output dimension in this order), under ``model.layers.<i>.``.
 _FUSED_PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
@@ -496,11 +507,8 @@ def install_gguf_layers_(model: nn.Module, tensors, *, keep_dense: bool | None =
         if info is None or len(info.shape) != 2:
             return None
         n, k = info.shape
-        try:
-            kernels.check_format(info.ggml_type, n, k)
-        except KernelError as exc:
-            why = (str(exc) if info.ggml_type in kernels.FORMATS.values()
-                   else f"{ggml_type_name(info.ggml_type)} is not run by the kernels")
+        why = kernels_refusal(info)
+        if why is not None:
             unrun[why] = unrun.get(why, 0) + 1
             return None
         raw = tensors.data()[info.offset : info.offset + info.nbytes].reshape(n, -1)
@@ -510,7 +518,7 @@ def install_gguf_layers_(model: nn.Module, tensors, *, keep_dense: bool | None =
         return kernels.repack(info.ggml_type, raw, n, k)
 
     def native(layer: nn.Linear, bases: list[str], head: bool = False) -> nn.Module:
-        key = "+".join(tensors.info(b + ".weight").name if tensors.info(b + ".weight") else b for b in bases)
+        key = "+".join(getattr(tensors.info(b + ".weight"), "name", b) for b in bases)  # the GGUF names
         parts = None if store is None else store.get(key)
         if parts is None:
             parts = [packed(b + ".weight") for b in bases]
