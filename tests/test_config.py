@@ -100,3 +100,16 @@ def test_importing_verispec_first_makes_openmp_threads_wait_passively():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "GOMP_SPINCOUNT": "1000"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "None"
+
+
+def test_programs_started_from_verispec_get_the_users_wait_policy():
+    """The passive policy is verispec's own: a program it starts (llama.cpp in a benchmark) gets
+    the environment without it, and a policy the user set stays."""
+    code = ("import verispec, torch; from verispec.runtime import foreign_env; "
+            "print(foreign_env().get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "PASSIVE"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "PASSIVE"

@@ -10,7 +10,11 @@ passive policy made decode steps clearly faster (docs/kernels.md, Threads).
 
 import os as _os
 
+# the variables set here, for the process only: another program started from it (llama.cpp in a
+# benchmark) gets the environment without them (verispec.runtime.foreign_env)
+OWN_ENVIRONMENT: frozenset[str] = frozenset()
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    OWN_ENVIRONMENT = frozenset({"OMP_WAIT_POLICY"})
 
 __version__ = "0.1.0"

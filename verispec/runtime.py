@@ -1,4 +1,4 @@
-"""Process-wide CPU settings: how many threads torch uses.
+"""Process-wide CPU settings: how many threads torch uses, and the environment of other programs.
 
 Decoding one token is a chain of matrix-vector products, each split across threads. Threads on
 SMT siblings share a core's load ports and vector units, so they add scheduling cost without
@@ -16,6 +16,14 @@ from pathlib import Path
 import torch
 
 _TOPOLOGY = Path("/sys/devices/system/cpu")
+
+
+def foreign_env() -> dict[str, str]:
+    """The environment for another program's process: this one's, less what importing verispec
+    set for itself (its OpenMP wait policy, under which llama.cpp's threads run slower)."""
+    import verispec
+
+    return {k: v for k, v in os.environ.items() if k not in verispec.OWN_ENVIRONMENT}
 
 
 def physical_cores() -> int:

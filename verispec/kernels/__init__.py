@@ -97,9 +97,47 @@ def native():
             stacklevel=2,
         )
         return None
+    build = verispec_home() / "kernels" / build_key()
+    lib = _import_finished(build)
+    if lib is None:
+        lib = _build(build)
+    if lib is None:
+        return None
+    cap = os.environ.get("VERISPEC_ISA", "").strip().lower()
+    if cap:
+        _set_max_isa(lib, cap, "VERISPEC_ISA")
+    return lib
+
+
+_FINISHED = "finished"  # written into a build directory once its library has loaded
+
+
+def _import_finished(build: Path):
+    """The library of a finished build in ``build``, imported directly; None without one.
+
+    The directory's key hashes every source, header, flag and the compiler, so a finished build
+    there is current: torch's loader would only confirm that through ninja, after importing its
+    compiler support, which is most of a warm start's kernel time. A library that fails to import
+    sends the caller to a full build."""
+    library = build / "verispec_kernels.so"
+    if not (build / _FINISHED).is_file() or not library.is_file():
+        return None
+    import importlib.util
+
+    try:
+        spec = importlib.util.spec_from_file_location("verispec_kernels", library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError:
+        return None
+    return module
+
+
+def _build(build: Path):
+    """Compile (or let ninja confirm) the library in ``build`` and import it; None, after a
+    warning, where it cannot be built."""
     from torch.utils import cpp_extension
 
-    build = verispec_home() / "kernels" / build_key()
     build.mkdir(parents=True, exist_ok=True)
     fresh = not any(build.glob("*.so"))
     if fresh:
@@ -118,6 +156,7 @@ def native():
                 build_directory=str(build),
                 verbose=False,
             )
+            (build / _FINISHED).write_text(build.name + "\n")
     except (OSError, RuntimeError, subprocess.SubprocessError, ImportError) as exc:
         if shutil.which(os.environ.get("CXX", "c++")) is None:
             why = "no C++ compiler was found"
@@ -129,9 +168,6 @@ def native():
             stacklevel=2,
         )
         return None
-    cap = os.environ.get("VERISPEC_ISA", "").strip().lower()
-    if cap:
-        _set_max_isa(lib, cap, "VERISPEC_ISA")
     return lib
 
 

@@ -83,10 +83,14 @@ def _llama_generator(bin_dir: Path) -> Path:
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 1800) -> dict:
-    """Run ``cmd`` to its end: wall seconds, the child's peak resident memory, its output."""
+    """Run ``cmd`` to its end: wall seconds, the child's peak resident memory, its output. The
+    environment is ``env``, else the user's (:func:`foreign_env`: llama.cpp's OpenMP threads
+    would run slower under the wait policy verispec sets for itself)."""
+    from verispec.runtime import foreign_env
+
     t0 = time.perf_counter()
     with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=foreign_env() if env is None else env)
         try:
             _, status, usage = os.wait4(proc.pid, 0)
         except BaseException:
