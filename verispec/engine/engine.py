@@ -272,7 +272,7 @@ class Engine:
             params=params,
             generator=make_generator(params.seed, self.model.device),
             eos_token_ids=tok.eos_token_ids,
-            detokenizer=IncrementalDetokenizer(tok.hf, prompt_ids),
+            detokenizer=IncrementalDetokenizer(tok, prompt_ids),
             slot=slot,
             num_speculative_tokens=num_speculative_tokens,
         )

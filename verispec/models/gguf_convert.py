@@ -70,7 +70,7 @@ from verispec.models.errors import (
     SUPPORTED_ARCHITECTURES, CorruptGGUFError, ModelFileNotFoundError, ModelLoadError, UnsupportedModelError,
 )
 from verispec.runtime import verispec_home
-from verispec.models.tokenizer import collect_eos_ids
+from verispec.models.tokenizer import collect_eos_ids, write_light_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -311,11 +311,15 @@ def _quant_size(ggml_type: int) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 
 
+# the metadata entry's format: 2 adds the tokenizer a load reads without transformers
+METADATA_VERSION = 2
+
+
 def _cache_key(path: Path, kind: str) -> str:
     st = path.stat()
     key = f"v{CONVERSION_VERSION}\0{st.st_size}\0{st.st_mtime_ns}\0{path}"
     if kind != "converted":
-        key = f"{kind}\0{key}"
+        key = f"{kind}\0{key}" if kind != "gguf" else f"{kind}{METADATA_VERSION}\0{key}"
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:12]
 
 
@@ -581,6 +585,7 @@ def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: 
     config = AutoConfig.for_model(model_type, **cfg)
     config.architectures = [GGUF_ARCHITECTURES[header.architecture]]
     hf_tok.save_pretrained(str(out))
+    write_light_tokenizer(out)
     config.save_pretrained(str(out))
     generation = GenerationConfig(bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos,
                                   pad_token_id=cfg.get("pad_token_id"))  # fmt: skip

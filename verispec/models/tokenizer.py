@@ -12,10 +12,21 @@ End-of-generation ids (:attr:`Tokenizer.eos_token_ids`) are the union of
   (``<|im_end|>``, ``<|endoftext|>``, ``<|eot_id|>``, ...), the rule llama.cpp uses for its
   end-of-generation set. A GGUF file stores a single eos id, so without this rule an
   instruct model converted from GGUF could miss its chat end token.
+
+A light load. Importing transformers and building its tokenizer take seconds, most of a warm
+start. :func:`write_light_tokenizer` (called when a GGUF file's metadata is cached) stores what
+the engine needs beside the tokenizer files: the Rust tokenizer exactly as transformers' loaded
+tokenizer holds it, the end-of-generation ids, the special tokens and the chat template. A
+:class:`Tokenizer` made from it encodes and decodes with the Rust tokenizer directly and renders
+chats with transformers' own template renderer (a light import); the same ids and text as
+transformers' tokenizer, which it builds only when something asks for :attr:`Tokenizer.hf`.
+Only a tokenizer whose ``encode`` and ``decode`` are exactly the Rust tokenizer's (a fast
+tokenizer in its default state, no clean-up of decoded spaces) is stored that way.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +36,11 @@ from verispec.models.files import read_json_object
 if TYPE_CHECKING:  # importing transformers is slow; only the loader needs it at run time
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["END_OF_GENERATION_TEXTS", "Tokenizer", "collect_eos_ids"]
+__all__ = ["END_OF_GENERATION_TEXTS", "LIGHT_FILE", "Tokenizer", "collect_eos_ids", "write_light_tokenizer"]
+
+LIGHT_FILE = "verispec_tokenizer.json"  # the facts of a light load (see the module docstring)
+_LIGHT_BACKEND = "verispec_tokenizer_backend.json"  # the Rust tokenizer as transformers holds it
+_LIGHT_VERSION = 1
 
 # Special-token texts that end a generation (chat end-of-turn and end-of-text markers).
 END_OF_GENERATION_TEXTS: tuple[str, ...] = (
@@ -70,10 +85,35 @@ class Tokenizer:
     """Encode, decode and chat-template prompts; knows the model's end-of-generation ids."""
 
     def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: Iterable[int] | None = None) -> None:
-        self.hf = hf
+        self._hf: PreTrainedTokenizerBase | None = hf
+        self._light: dict[str, Any] | None = None  # the facts of a light load
+        self._backend: Any = None  # its Rust tokenizer
+        self._directory: Path | None = None
         self.eos_token_ids: frozenset[int] = (
             collect_eos_ids(hf) if eos_token_ids is None else frozenset(int(i) for i in eos_token_ids)
         )
+
+    @property
+    def hf(self) -> PreTrainedTokenizerBase:
+        """transformers' tokenizer (built on first use after a light load)."""
+        if self._hf is None:
+            from transformers import AutoTokenizer
+
+            self._hf = AutoTokenizer.from_pretrained(str(self._directory), local_files_only=True)
+        return self._hf
+
+    @classmethod
+    def _from_light(cls, directory: Path, facts: dict[str, Any], config_eos: Iterable[Any]) -> Tokenizer:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        tok = cls.__new__(cls)
+        tok._hf, tok._light, tok._directory = None, facts, directory
+        tok._backend = RustTokenizer.from_file(str(directory / _LIGHT_BACKEND))
+        ids = set(facts["eos_token_ids"])
+        for value in config_eos:
+            ids.update(_as_id_list(value))
+        tok.eos_token_ids = frozenset(ids)
+        return tok
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, hf_config: Mapping[str, Any] | None = None) -> Tokenizer:
@@ -89,6 +129,9 @@ class Tokenizer:
         if hf_config is None:
             hf_config = _read_json_if_present(directory / "config.json")
         generation = _read_json_if_present(directory / "generation_config.json")
+        facts = _read_json_if_present(directory / LIGHT_FILE)
+        if facts.get("version") == _LIGHT_VERSION and (directory / _LIGHT_BACKEND).is_file():
+            return cls._from_light(directory, facts, (hf_config.get("eos_token_id"), generation.get("eos_token_id")))
         hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         eos = collect_eos_ids(hf, hf_config.get("eos_token_id"), generation.get("eos_token_id"))
         return cls(hf, eos)
@@ -111,23 +154,13 @@ class Tokenizer:
         return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def _plain_backend(self) -> Any:
-        """The Rust tokenizer when ``hf.encode`` would call it unchanged, else None.
-
-        transformers switches off a truncation or padding stored in the backend and sets its
-        ``encode_special_tokens`` from ``split_special_tokens`` before encoding; a backend in
-        another state goes through ``hf.encode`` instead.
-        """
-        if not getattr(self.hf, "is_fast", False):
-            return None
-        backend = self.hf.backend_tokenizer
-        if backend.truncation is not None or backend.padding is not None:
-            return None
-        if backend.encode_special_tokens != bool(getattr(self.hf, "split_special_tokens", False)):
-            return None
-        return backend
+        """The Rust tokenizer that :meth:`encode` calls directly, or None (see the module function)."""
+        return self._backend if self._backend is not None else _plain_backend(self.hf)
 
     @property
     def has_chat_template(self) -> bool:
+        if self._light is not None:
+            return bool(self._light["chat_template"])
         return bool(getattr(self.hf, "chat_template", None))
 
     def render_chat(self, prompt: str | Sequence[Mapping[str, Any]], system: str | None = None) -> str:
@@ -142,6 +175,15 @@ class Tokenizer:
                 "encode a raw prompt with Tokenizer.encode instead"
             )
         messages = _messages(prompt, system)
+        if self._light is not None:
+            # what apply_chat_template does for one conversation: None-valued keys dropped, the
+            # special tokens' texts as template variables
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+            rendered, _ = render_jinja_template(conversations=[messages], chat_template=self._light["chat_template"],
+                                                add_generation_prompt=True, **self._light["special_tokens_map"])
+            return rendered[0]
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def apply_chat_template(self, prompt: str | Sequence[Mapping[str, Any]], system: str | None = None) -> list[int]:
@@ -155,6 +197,8 @@ class Tokenizer:
     # -- decoding -----------------------------------------------------------------------------
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None:
+            return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     # -- vocabulary ---------------------------------------------------------------------------
@@ -162,28 +206,71 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         """Number of tokens the tokenizer knows, added tokens included (``len(hf)``)."""
-        return len(self.hf)
+        return len(self)
 
     @property
     def bos_token_id(self) -> int | None:
-        return self.hf.bos_token_id
+        return self._light["bos_token_id"] if self._light is not None else self.hf.bos_token_id
 
     @property
     def pad_token_id(self) -> int | None:
-        return self.hf.pad_token_id
+        return self._light["pad_token_id"] if self._light is not None else self.hf.pad_token_id
 
     @property
     def name_or_path(self) -> str:
+        if self._light is not None:
+            return self._light["name_or_path"] or "<tokenizer>"
         return str(getattr(self.hf, "name_or_path", "") or "<tokenizer>")
 
     def __len__(self) -> int:
-        return len(self.hf)
+        return self._light["size"] if self._light is not None else len(self.hf)
 
     def __repr__(self) -> str:
         return (
             f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, "
             f"eos_token_ids={sorted(self.eos_token_ids)}, chat_template={self.has_chat_template})"
         )
+
+
+def _plain_backend(hf: PreTrainedTokenizerBase) -> Any:
+    """The Rust tokenizer when ``hf.encode`` would call it unchanged, else None.
+
+    transformers switches off a truncation or padding stored in the backend and sets its
+    ``encode_special_tokens`` from ``split_special_tokens`` before encoding; a backend in
+    another state goes through ``hf.encode`` instead.
+    """
+    if not getattr(hf, "is_fast", False):
+        return None
+    backend = hf.backend_tokenizer
+    if backend.truncation is not None or backend.padding is not None:
+        return None
+    if backend.encode_special_tokens != bool(getattr(hf, "split_special_tokens", False)):
+        return None
+    return backend
+
+
+def write_light_tokenizer(directory: Path) -> bool:
+    """Store the facts of a light load beside the tokenizer files in ``directory`` (see the
+    module docstring), from the tokenizer a load of ``directory`` gets; False (nothing written)
+    where the Rust tokenizer alone would not give transformers' ids and text."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    backend = _plain_backend(hf)
+    template = getattr(hf, "chat_template", None)
+    if backend is None or getattr(hf, "clean_up_tokenization_spaces", False) or isinstance(template, dict):
+        return False
+    specials = {k: str(v) for k, v in hf.special_tokens_map.items() if isinstance(v, str)}
+    if len(specials) != len(hf.special_tokens_map):  # a list-valued entry: render through transformers
+        return False
+    (directory / _LIGHT_BACKEND).write_text(backend.to_str(), encoding="utf-8")
+    facts = {
+        "version": _LIGHT_VERSION, "eos_token_ids": sorted(collect_eos_ids(hf)), "bos_token_id": hf.bos_token_id,
+        "pad_token_id": hf.pad_token_id, "size": len(hf), "chat_template": template or None,
+        "special_tokens_map": specials, "name_or_path": str(getattr(hf, "name_or_path", "") or ""),
+    }  # fmt: skip
+    (directory / LIGHT_FILE).write_text(json.dumps(facts, indent=1) + "\n", encoding="utf-8")
+    return True
 
 
 def _messages(prompt: str | Sequence[Mapping[str, Any]], system: str | None) -> list[dict[str, Any]]:
