@@ -61,7 +61,7 @@ def bigram(model: Decoder) -> Decoder:
 def loaded(model: Decoder, eos: int = -1, name: str = "tiny") -> SimpleNamespace:
     """Something shaped like ``verispec.models.loader.LoadedModel`` for the engine."""
     tok = ToyTokenizer(model.config.vocab_size, eos)
-    tokenizer = SimpleNamespace(hf=tok, eos_token_ids=frozenset([eos]) if eos >= 0 else frozenset())
+    tokenizer = SimpleNamespace(hf=tok, decode=tok.decode, eos_token_ids=frozenset([eos]) if eos >= 0 else frozenset())
     return SimpleNamespace(model=model, tokenizer=tokenizer, name=name)
 
 

@@ -574,6 +574,20 @@ def _no_random_init():
                 setattr(nn.init, name, function)
 
 
+def _retype_(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` for a model built on the meta device, by making new meta tensors: a
+    conversion on the meta device would load torch's meta kernels (and sympy), a second or more
+    of a load."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_floating_point() and p.dtype != dtype:
+                new = torch.empty(p.shape, dtype=dtype, device="meta") if p.is_meta else p.detach().to(dtype)
+                module._parameters[name] = nn.Parameter(new, requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                module._buffers[name] = torch.empty(b.shape, dtype=dtype, device="meta") if b.is_meta else b.to(dtype)
+
+
 class Decoder(nn.Module):
     """Causal LM (the Llama family, Qwen3, Phi-3, Gemma 2 and 3) over a :class:`KVCache`."""
 
@@ -617,16 +631,19 @@ class Decoder(nn.Module):
         blocks (:func:`verispec.models.native.install_gguf_layers_`). Only what is still
         weightless is then allocated, so the dense weights of those layers never exist."""
         with torch.device("meta"), _no_random_init():
-            model = cls(config).to(dtype)
+            model = cls(config)
+        _retype_(model, dtype)
         if build is not None:
             build(model)
         for module in model.modules():
             for name, p in module._parameters.items():
                 if p is not None and p.is_meta:
-                    module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
+                    # torch.empty, not empty_like: an op on a meta tensor would load the meta kernels
+                    module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                            requires_grad=False)
             for name, b in module._buffers.items():
                 if b is not None and b.is_meta:
-                    module._buffers[name] = torch.empty_like(b, device=device)
+                    module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
         model.inv_freq = rope_inv_freq(config).to(device)
         model.inv_freq_local = rope_inv_freq(config, local=True).to(device)
         return model

@@ -123,8 +123,6 @@ class Tokenizer:
         its ``eos_token_id`` and that of ``generation_config.json`` join the eos set. Raises
         :class:`OSError` or :class:`ValueError` when the files are missing or malformed.
         """
-        from transformers import AutoTokenizer
-
         directory = Path(directory)
         if hf_config is None:
             hf_config = _read_json_if_present(directory / "config.json")
@@ -132,6 +130,8 @@ class Tokenizer:
         facts = _read_json_if_present(directory / LIGHT_FILE)
         if facts.get("version") == _LIGHT_VERSION and (directory / _LIGHT_BACKEND).is_file():
             return cls._from_light(directory, facts, (hf_config.get("eos_token_id"), generation.get("eos_token_id")))
+        from transformers import AutoTokenizer
+
         hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
         eos = collect_eos_ids(hf, hf_config.get("eos_token_id"), generation.get("eos_token_id"))
         return cls(hf, eos)
