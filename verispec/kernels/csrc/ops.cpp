@@ -403,13 +403,19 @@ std::vector<torch::Tensor> qkv_rope(torch::Tensor qkv, torch::Tensor cos, torch:
 void bind_layer(py::module_& m);
 }
 
+// Every call that computes releases the GIL once its arguments are converted (py::call_guard),
+// so other Python threads (the server's event loop) run while the kernels work. Nothing inside
+// touches a Python object: tensors are read through their data pointers, and errors
+// (TORCH_CHECK) are translated after the GIL is taken back. The three small queries and settings
+// at the end keep it: they return at once, and set_max_isa writes what a running call reads.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attention", &verispec::attention, "row-invariant attention over the cache (attention.cpp)");
-  m.def("qkv_rope", &verispec::qkv_rope, "q/k/v split into heads, RoPE on q and k (attention.cpp)");
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("attention", &verispec::attention, "row-invariant attention over the cache (attention.cpp)", nogil());
+  m.def("qkv_rope", &verispec::qkv_rope, "q/k/v split into heads, RoPE on q and k (attention.cpp)", nogil());
+  m.def("repack", &verispec::repack, "GGUF blocks -> packed tiles", nogil());
+  m.def("dequantize", &verispec::dequantize, "packed tiles -> float32 weight, as gguf dequantizes", nogil());
+  m.def("linear", &verispec::linear, "x @ W.T (+ bias) over packed parts", nogil());
   m.def("packed_nbytes", &verispec::packed_nbytes, "bytes of a packed [n, k] weight");
-  m.def("repack", &verispec::repack, "GGUF blocks -> packed tiles");
-  m.def("dequantize", &verispec::dequantize, "packed tiles -> float32 weight, as gguf dequantizes");
-  m.def("linear", &verispec::linear, "x @ W.T (+ bias) over packed parts");
   m.def("supported_isas", &verispec::supported_isas);
   m.def("set_max_isa", &verispec::set_max_isa);
   verispec::bind_layer(m);
