@@ -172,7 +172,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
         problems = protocol.describe_errors(e.errors())
-        return JSONResponse(error_body(f"invalid request: {problems}"), status_code=400)
+        return JSONResponse(error_body(f"invalid request: {problems}", param=protocol.error_param(e.errors())),
+                            status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -338,14 +339,14 @@ class _Service:
         """The cheap checks, before the prompt is tokenized."""
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           "not_found_error", "model_not_found")
-        problem = body.unsupported()
-        if problem:
-            raise APIError(400, problem)
+                           "not_found_error", "model_not_found", param="model")
+        refusal = body.refused()
+        if refusal is not None:
+            raise APIError(400, refusal.message, param=refusal.param)
         if isinstance(body, ChatCompletionRequest) and not self.engine.target.tokenizer.has_chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions")
         if isinstance(body, CompletionRequest) and isinstance(body.prompt, list):
-            self._check_prompt_length(len(body.prompt))  # token ids: their count is known already
+            self._check_prompt_length(len(body.prompt), "prompt")  # token ids: their count is known already
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
         """Token ids of the prompt (blocking: runs in a worker thread)."""
@@ -355,10 +356,10 @@ class _Service:
             vocab = self.engine.model.config.vocab_size
             bad = [t for t in body.prompt if not 0 <= t < vocab]
             if bad:
-                raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+                raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
             ids = list(body.prompt)
         if not ids:
-            raise APIError(400, "the prompt is empty")
+            raise APIError(400, "the prompt is empty", param="prompt")
         return ids
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
@@ -400,22 +401,24 @@ class _Service:
             return StreamingResponse(self._stream(request, queue, reply), media_type="text/event-stream")
         return await self._collect(request, queue, reply, http)
 
-    def _check_prompt_length(self, prompt_len: int) -> None:
+    def _check_prompt_length(self, prompt_len: int, param: str) -> None:
         limit = self.engine.max_model_len
         if prompt_len >= limit:
             raise APIError(400, f"the prompt has {prompt_len} tokens but this model's maximum context "
-                           f"length is {limit} tokens", code="context_length_exceeded")
+                           f"length is {limit} tokens", code="context_length_exceeded", param=param)
 
     def _sampling_params(self, body: protocol.SamplingRequest, prompt_len: int) -> SamplingParams:
-        self._check_prompt_length(prompt_len)
+        chat = isinstance(body, ChatCompletionRequest)
+        self._check_prompt_length(prompt_len, "messages" if chat else "prompt")
         limit = self.engine.max_model_len
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
             max_tokens = limit - prompt_len
         if prompt_len + max_tokens > limit:
+            param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
                            f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "
-                           f"{max_tokens} for the completion)", code="context_length_exceeded")
+                           f"{max_tokens} for the completion)", code="context_length_exceeded", param=param)
         try:
             return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                   min_p=body.min_p, max_tokens=max_tokens, stop=body.stop_strings(),
