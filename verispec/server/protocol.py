@@ -94,7 +94,10 @@ class StreamOptions(_Strict):
 class SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    # The schema states what `refused` checks across fields: stream_options needs stream true.
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+        "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}})
 
     model: Text | None = None
     max_tokens: PositiveInt | None = None
