@@ -98,6 +98,36 @@ def test_merged_metrics_label_each_replicas_samples():
     assert samples == {("ra", "stop"): 3.0, ("rb", "length"): 2.0}
 
 
+def test_the_ingress_guards_its_metrics_with_the_key_only_when_asked():
+    """As the single server: ``api_key_for_metrics_and_docs`` puts /metrics behind the key;
+    /health stays open."""
+    async def metrics_text() -> bytes:
+        return b"verispec:x 1.0\n"
+
+    async def status(app, path: str, key: str | None) -> int:
+        headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "root_path": "",
+                 "query_string": b"", "headers": headers, "scheme": "http", "http_version": "1.1",
+                 "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 1)}
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await app(scope, receive, send)
+        return sent[0]["status"]
+
+    for everywhere, without_key in ((False, 200), (True, 401)):
+        config = ScaleOutConfig(model="m", api_key="k", api_key_for_metrics_and_docs=everywhere)
+        app = ray_serve.build_ingress_app(SimpleNamespace(api_key="k", config=config, metrics_text=metrics_text))
+        assert asyncio.run(status(app, "/metrics", None)) == without_key
+        assert asyncio.run(status(app, "/metrics", "k")) == 200
+        assert asyncio.run(status(app, "/health", None)) == 200
+
+
 def test_the_settings_are_checked_before_any_replica_starts():
     with pytest.raises(ValidationError, match="Extra inputs"):
         ScaleOutConfig(model="m", replicas=2)
