@@ -1,4 +1,5 @@
-"""Robustness: a bounded queue, disconnects, concurrency, a soak, and graceful shutdown.
+"""Robustness: a bounded queue, disconnects, concurrency, a soak, graceful shutdown, and an event
+loop that answers while the engine computes.
 
 Every test ends by checking that no request is left waiting or running and that every cache
 slot is free again (``wait_idle``).
@@ -13,10 +14,13 @@ import random
 import threading
 import time
 
+import numpy as np
 import openai
 import pytest
+import torch
 
 from liveserver import API_KEY, K, make_app, make_server, wait_idle
+from verispec import kernels
 from verispec.cli import build_parser
 from verispec.config import SamplingParams
 from verispec.server.runner import QueueFull, Request, ShuttingDown
@@ -117,6 +121,54 @@ def test_a_request_sent_right_after_a_queued_one_is_cancelled_is_admitted():
         for stream in streams:
             stream.close()
         wait_idle(live)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the native kernels")
+def test_health_answers_while_the_engine_thread_is_inside_a_long_native_call():
+    """Each engine step here first runs a native matmul of most of a second on a real model's MLP
+    weight ([8960, 1536], Q8_0; random bytes, the values do not matter). The kernels release the
+    GIL, so /health answers every probe at once throughout; held, the server (and this process's
+    probing thread) would stand still for each call."""
+    n, k = 8960, 1536
+    raw = np.random.default_rng(0).integers(0, 256, size=n * k // 32 * 34, dtype=np.uint8)
+    weight = kernels.repack(kernels.FORMATS["Q8_0"], raw, n, k)
+    x = torch.randn(16, k)
+    with make_server(api_key=None) as live:
+        engine = live.runner.engine
+        step = engine.step
+        calls = []  # how long each native call took
+
+        def computing_step():
+            t0 = time.monotonic()
+            kernels.matmul(x, [weight], "scalar")
+            calls.append(time.monotonic() - t0)
+            return step()
+
+        engine.step = computing_step
+        done = threading.Event()
+
+        def send():
+            open_stream(live.port, {"prompt": "busy", "max_tokens": 3, "ignore_eos": True, **GREEDY}, key=None).read()
+            done.set()
+
+        request = threading.Thread(target=send)
+        request.start()
+        _wait_for(lambda: _gauge(live.runner.metrics.running) == 1, "the request never ran")
+        answered = [time.monotonic()]  # when each probe was answered, from the start
+        while not done.is_set():
+            conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)
+            conn.request("GET", "/health")
+            assert conn.getresponse().status == 200
+            answered.append(time.monotonic())
+            conn.close()
+            time.sleep(0.02)
+        request.join()
+        engine.step = step
+        wait_idle(live)
+    gaps = np.diff(answered)
+    assert gaps.max() < min(calls) / 2, (f"{len(gaps)} probes during native calls of {calls} s; the longest "
+                                         f"waits between answers: {sorted(gaps)[-5:]}")
+    assert len(gaps) >= 10  # the steps kept the engine busy for a while
 
 
 def test_client_disconnect_cancels_and_frees_the_slot(server):
