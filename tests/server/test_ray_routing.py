@@ -203,7 +203,8 @@ def save_tiny_model(directory: Path) -> None:
 def test_serve_with_replicas_gives_every_replica_the_kv_cache_dtype(tmp_path, monkeypatch):
     """`verispec serve MODEL --replicas 2 --kv-cache-dtype float32` starts both replicas, and each
     replica's engine keeps its KV cache in float32 (the model's own dtype, bfloat16, is what auto
-    would keep). Ray is left out: `run` builds every replica as Serve does, from the one config
+    would keep). A key that guards /metrics too is the ingress's to check: the replicas start
+    without one. Ray is left out: `run` builds every replica as Serve does, from the one config
     it is given, and no metrics directory answers; test_ray_serve.py runs a real cluster."""
     save_tiny_model(tmp_path / "tiny")
     replicas: list[EngineReplica] = []
@@ -222,7 +223,8 @@ def test_serve_with_replicas_gives_every_replica_the_kv_cache_dtype(tmp_path, mo
         get_runtime_context=lambda: SimpleNamespace(get_actor_name=lambda: None), get_actor=no_actor))
     try:
         assert main(["serve", str(tmp_path / "tiny"), "--replicas", "2", "--kv-cache-dtype", "float32",
-                     "--max-model-len", "64", "--threads", "1"]) == 0
+                     "--max-model-len", "64", "--threads", "1", "--api-key", "k",
+                     "--api-key-for-metrics-and-docs"]) == 0
         assert len(replicas) == 2
         for replica in replicas:
             engine = replica.runner.engine
