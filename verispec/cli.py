@@ -268,6 +268,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                      "the process list: prefer --api-key-file or the VERISPEC_API_KEY variable)")
     key.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="read the API key from this file (surrounding whitespace is dropped)")
+    s.add_argument("--api-key-for-metrics-and-docs", action="store_true",
+                   help="require the API key on /metrics, /docs, /redoc and /openapi.json too (default: "
+                   "only on /v1 routes, as vLLM; /health is always open, for liveness probes)")
     s.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                    help="largest request body accepted on /v1 routes; larger ones get 413 (default 4 MiB)")
     s.add_argument("--served-model-name", default=None, help="model id clients use (default: MODEL)")
@@ -345,7 +348,8 @@ def server_settings_from_args(args: argparse.Namespace) -> dict:
         dtype=args.dtype, quantization=args.quantization, quantization_group_size=args.quantization_group_size,
         kv_cache_dtype=args.kv_cache_dtype, threads=args.threads, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-        served_model_name=args.served_model_name, api_key=api_key_from_args(args), max_queue=args.max_queue,
+        served_model_name=args.served_model_name, api_key=api_key_from_args(args),
+        api_key_for_metrics_and_docs=args.api_key_for_metrics_and_docs, max_queue=args.max_queue,
         max_request_bytes=args.max_request_bytes, request_timeout_s=args.request_timeout or None,
         exit_on_fatal=args.exit_on_fatal, host=args.host, port=args.port)
 

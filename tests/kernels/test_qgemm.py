@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -420,3 +422,80 @@ def test_max_isa_caps_the_default_path_without_changing_bits():
         kernels.set_max_isa(None)
     with pytest.raises(KernelError, match="this CPU runs the kernel paths"):
         kernels.set_max_isa("avx1024")
+
+
+# ---- the GIL -----------------------------------------------------------------------------------
+
+def _longest_stall(call) -> tuple[float, float]:
+    """(seconds ``call`` took, the longest stretch of it in which another Python thread, ticking
+    every millisecond, did not run). A call that holds the GIL stalls the ticker throughout."""
+    stamps, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            stamps.append(time.monotonic())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        time.sleep(0.02)  # the ticker is running
+        t0 = time.monotonic()
+        call()
+        t1 = time.monotonic()
+    finally:
+        stop.set()
+        ticker.join()
+    inside = [t for t in stamps if t0 < t < t1]
+    return t1 - t0, max(np.diff([t0, *inside, t1]))
+
+
+def _native_layer_pass():
+    """A whole decoder layer of the 1.5B models' shape (hidden 1536, 12 heads and 2 KV heads of
+    128, MLP 8960, Q4_K weights) over a 512-token prompt, as one native call."""
+    c, h, hkv, d, f, t = 1536, 12, 2, 128, 8960, 512
+
+    def proj(n, k, seed):
+        w = kernels.repack(FORMATS["Q4_K"], random_blocks("Q4_K", n, k, seed), n, k)
+        return ([w.fmt], [w.data], [w.n], None)
+
+    layer = kernels.native().NativeLayer(proj((h + 2 * hkv) * d, c, 1), proj(c, h * d, 2), proj(2 * f, c, 3),
+                                         proj(c, f, 4), torch.ones(c), 1e-6, torch.ones(c), 1e-6, h, hkv, d**-0.5)
+    x = torch.randn(1, t, c)
+    angles = torch.arange(t)[:, None] * torch.rand(d // 2)
+    cos, sin = torch.cat((angles, angles), -1).cos()[None, None], torch.cat((angles, angles), -1).sin()[None, None]
+    cache = [torch.zeros(1, hkv, t, d) for _ in range(2)]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()[None]
+    return lambda: layer.forward(x, cos, sin, *cache, [0], [0], t, causal)
+
+
+def _native_call(name: str):
+    """A native call of a few hundred milliseconds, on weights of a real model's size (the 1.5B
+    models' MLP is [8960, 1536]; Q4_K)."""
+    n, k = 8960, 1536
+    if name == "repack":  # a tensor, not a numpy array (which repack copies first, in Python)
+        raw = torch.from_numpy(random_blocks("Q4_K", n, 8 * k, seed=1))
+        return lambda: kernels.repack(FORMATS["Q4_K"], raw, n, 8 * k)
+    if name == "dequantize":
+        w = kernels.repack(FORMATS["Q4_K"], random_blocks("Q4_K", n, 2 * k, seed=1), n, 2 * k)
+        return lambda: kernels.dequantize(w)
+    if name == "matmul":
+        w = kernels.repack(FORMATS["Q4_K"], random_blocks("Q4_K", n, k, seed=1), n, k)
+        x = torch.randn(8, k)
+        return lambda: kernels.matmul(x, [w], "scalar")
+    if name == "attention":  # a 1024-token pass over a 4096-token cache
+        q, kv = torch.randn(1, 12, 1024, 128), torch.randn(1, 2, 4096, 128)
+        return lambda: kernels.attention(q, kv, kv, torch.ones(1, 1024, 4096, dtype=torch.bool), 128**-0.5)
+    return _native_layer_pass()
+
+
+@pytest.mark.parametrize("name", ["matmul", "attention", "layer", "repack", "dequantize"])
+@needs_kernels
+def test_native_calls_release_the_gil(name):
+    """While a kernel computes, other Python threads run (a server's event loop answers /health
+    and streams during a forward pass): the bindings release the GIL once their arguments are
+    converted. Held, the ticker would stall for the whole call."""
+    call = _native_call(name)
+    took, stall = with_threads(1, lambda: _longest_stall(call))
+    assert took > 0.05, f"{name} took {took:.3f} s: too short to show anything"
+    assert stall < took / 2, f"another thread stalled {stall:.3f} s of a {took:.3f} s {name} call"

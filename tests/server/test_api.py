@@ -119,38 +119,41 @@ def test_per_request_speculative_extra(client):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("kwargs", "message", "param"),
     [
-        ({"n": 2}, "n=2 is not supported"),
-        ({"logprobs": 2}, "logprobs are not supported"),
-        ({"max_tokens": MAX_MODEL_LEN}, "maximum context length"),
-        ({"prompt": "x" * MAX_MODEL_LEN}, "maximum context length"),
-        ({"temperature": "hot"}, "temperature"),
-        ({"top_p": 0}, "top_p"),
-        ({"extra_body": {"speculative": {"enabled": "maybe"}}}, "speculative.enabled"),
-        ({"extra_body": {"bogus_field": 1}}, "bogus_field"),
-        ({"prompt": ""}, "prompt: String should have at least 1 character"),
-        ({"prompt": []}, "prompt: List should have at least 1 item"),
-        ({"prompt": [1, -2]}, "prompt.1: Input should be greater than or equal to 0"),
-        ({"prompt": [1, 10**6]}, "prompt token ids must be in [0, "),
-        ({"prompt": [10**6] * MAX_MODEL_LEN}, "maximum context length"),  # counted before the ids are checked
-        ({"seed": 2**64}, "seed: Input should be less than or equal to 9223372036854775807"),
-        ({"seed": -(2**63) - 1}, "seed: Input should be greater than or equal to -9223372036854775808"),
-        ({"extra_body": {"top_k": 2**63}}, "top_k: Input should be less than or equal to 2147483647"),
-        ({"stop": ["a"] * 17}, "stop: List should have at most 16 items"),
-        ({"stop": "a" * 1001}, "stop: String should have at most 1000 characters"),
-        ({"stop": ["ok", ""]}, "stop.1: String should have at least 1 character"),
-        ({"max_tokens": "5"}, "max_tokens: Input should be a valid integer"),
-        ({"stream": 1}, "stream: Input should be a valid boolean"),
+        ({"n": 2}, "n=2 is not supported", "n"),
+        ({"logprobs": 2}, "logprobs are not supported", "logprobs"),
+        ({"max_tokens": MAX_MODEL_LEN}, "maximum context length", "max_tokens"),
+        ({"prompt": "x" * MAX_MODEL_LEN}, "maximum context length", "prompt"),
+        ({"temperature": "hot"}, "temperature", "temperature"),
+        ({"top_p": 0}, "top_p", "top_p"),
+        ({"extra_body": {"speculative": {"enabled": "maybe"}}}, "speculative.enabled", "speculative.enabled"),
+        ({"extra_body": {"bogus_field": 1}}, "bogus_field", "bogus_field"),
+        ({"prompt": ""}, "prompt: String should have at least 1 character", "prompt"),
+        ({"prompt": []}, "prompt: List should have at least 1 item", "prompt"),
+        ({"prompt": [1, -2]}, "prompt.1: Input should be greater than or equal to 0", "prompt.1"),
+        ({"prompt": [1, 10**6]}, "prompt token ids must be in [0, ", "prompt"),
+        ({"prompt": [10**6] * MAX_MODEL_LEN}, "maximum context length", "prompt"),  # counted before the ids are checked
+        ({"seed": 2**64}, "seed: Input should be less than or equal to 9223372036854775807", "seed"),
+        ({"seed": -(2**63) - 1}, "seed: Input should be greater than or equal to -9223372036854775808", "seed"),
+        ({"extra_body": {"top_k": 2**63}}, "top_k: Input should be less than or equal to 2147483647", "top_k"),
+        ({"stop": ["a"] * 17}, "stop: List should have at most 16 items", "stop"),
+        ({"stop": "a" * 1001}, "stop: String should have at most 1000 characters", "stop"),
+        ({"stop": ["ok", ""]}, "stop.1: String should have at least 1 character", "stop.1"),
+        ({"max_tokens": "5"}, "max_tokens: Input should be a valid integer", "max_tokens"),
+        ({"stream": 1}, "stream: Input should be a valid boolean", "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options is only allowed when stream is true",
+         "stream_options"),
     ],
 )
-def test_bad_input_is_a_400_with_an_openai_error_body(client, kwargs, message):
+def test_bad_input_is_a_400_with_an_openai_error_body(client, kwargs, message, param):
+    """The error names the field in ``param`` too, as OpenAI's errors do."""
     args = {"model": "tiny", "prompt": "hi", "max_tokens": 4, **kwargs}
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(**args)
     err = info.value.body
     assert info.value.status_code == 400 and message in err["message"], err
-    assert err["type"] == "invalid_request_error"
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
 
 
 @pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'{"prompt": 5}', b"", b'{"prompt": "\xe9"}',
@@ -158,6 +161,44 @@ def test_bad_input_is_a_400_with_an_openai_error_body(client, kwargs, message):
 def test_malformed_bodies_are_400_never_500(server, body):
     status, _, data = raw(server, "POST", "/v1/completions", body)
     assert status == 400 and data["error"]["message"] and data["error"]["type"] == "invalid_request_error", data
+
+
+def test_a_body_that_is_not_json_says_where_and_names_no_field(server):
+    status, _, data = raw(server, "POST", "/v1/completions", b'{"prompt": "a",,}')
+    assert status == 400 and data["error"]["param"] is None, data
+    assert data["error"]["message"].startswith("invalid request: body: JSON decode error at character 15: "), data
+
+
+def test_n_null_means_one_choice_as_in_openais_api(server):
+    for n in (None, 1):
+        status, _, data = raw(server, "POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2, "n": n}))
+        assert status == 200 and len(data["choices"]) == 1, data
+
+
+def test_stream_options_need_stream_true(server):
+    """As OpenAI answers: ``stream_options`` with ``stream`` false or absent is a 400 naming it;
+    null is as good as absent."""
+    for extra in ({}, {"stream": False}):
+        body = {"prompt": "hi", "max_tokens": 2, "stream_options": {"include_usage": True}, **extra}
+        status, _, data = raw(server, "POST", "/v1/completions", json.dumps(body))
+        assert status == 400 and data["error"]["param"] == "stream_options", data
+    status, _, data = raw(server, "POST", "/v1/completions",
+                          json.dumps({"prompt": "hi", "max_tokens": 2, "stream_options": None}))
+    assert status == 200, data
+    status, _, text = raw(server, "POST", "/v1/completions", json.dumps(
+        {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}))
+    assert status == 200 and text.endswith("data: [DONE]\n\n"), text
+
+
+@pytest.mark.parametrize(("message", "param"), [
+    ({"role": "user", "content": "hi", "colour": "red"}, "messages.0.colour"),
+    ({"role": "user", "content": [{"type": "text", "text": "hi", "weight": 2}]}, "messages.0.content.0.weight"),
+])
+def test_unknown_keys_inside_chat_messages_are_a_400_naming_the_key(server, message, param):
+    body = {"messages": [message], "max_tokens": 2}
+    status, _, data = raw(server, "POST", "/v1/chat/completions", json.dumps(body))
+    assert status == 400 and data["error"]["param"] == param, data
+    assert f"{param}: Extra inputs are not permitted" in data["error"]["message"], data
 
 
 @pytest.mark.parametrize(("path", "body"), [
@@ -221,7 +262,7 @@ def test_openapi_document_matches_the_server(server):
     assert request["top_k"]["maximum"] == 2**31 - 1
     stop_string = {"type": "string", "minLength": 1, "maxLength": 1000}
     assert request["stop"]["anyOf"][:2] == [stop_string, {"type": "array", "items": stop_string, "maxItems": 16}]
-    assert request["n"]["const"] == 1
+    assert request["n"]["enum"] == [1, None]
     assert request["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1}
 
     def keys(node):  # every key of every object in the document
@@ -242,8 +283,20 @@ def test_chat_without_messages_is_400(server):
 
 
 def test_unknown_model_is_404(client):
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match="does not exist") as info:
         client.completions.create(model="gpt-9", prompt="hi", max_tokens=2)
+    assert info.value.body["param"] == "model"
+
+
+def test_a_chat_too_long_for_the_context_names_the_field_at_fault(client):
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as info:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * MAX_MODEL_LEN}])
+    assert info.value.body["param"] == "messages"
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError, match="maximum context length") as info:
+            client.chat.completions.create(model="tiny", messages=messages, **{field: MAX_MODEL_LEN})
+        assert info.value.body["param"] == field
 
 
 @pytest.mark.parametrize("key", [None, "wrong-key", API_KEY + "x"])

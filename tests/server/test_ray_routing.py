@@ -98,6 +98,36 @@ def test_merged_metrics_label_each_replicas_samples():
     assert samples == {("ra", "stop"): 3.0, ("rb", "length"): 2.0}
 
 
+def test_the_ingress_guards_its_metrics_with_the_key_only_when_asked():
+    """As the single server: ``api_key_for_metrics_and_docs`` puts /metrics behind the key;
+    /health stays open."""
+    async def metrics_text() -> bytes:
+        return b"verispec:x 1.0\n"
+
+    async def status(app, path: str, key: str | None) -> int:
+        headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "root_path": "",
+                 "query_string": b"", "headers": headers, "scheme": "http", "http_version": "1.1",
+                 "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 1)}
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await app(scope, receive, send)
+        return sent[0]["status"]
+
+    for everywhere, without_key in ((False, 200), (True, 401)):
+        config = ScaleOutConfig(model="m", api_key="k", api_key_for_metrics_and_docs=everywhere)
+        app = ray_serve.build_ingress_app(SimpleNamespace(api_key="k", config=config, metrics_text=metrics_text))
+        assert asyncio.run(status(app, "/metrics", None)) == without_key
+        assert asyncio.run(status(app, "/metrics", "k")) == 200
+        assert asyncio.run(status(app, "/health", None)) == 200
+
+
 def test_the_settings_are_checked_before_any_replica_starts():
     with pytest.raises(ValidationError, match="Extra inputs"):
         ScaleOutConfig(model="m", replicas=2)
@@ -173,7 +203,8 @@ def save_tiny_model(directory: Path) -> None:
 def test_serve_with_replicas_gives_every_replica_the_kv_cache_dtype(tmp_path, monkeypatch):
     """`verispec serve MODEL --replicas 2 --kv-cache-dtype float32` starts both replicas, and each
     replica's engine keeps its KV cache in float32 (the model's own dtype, bfloat16, is what auto
-    would keep). Ray is left out: `run` builds every replica as Serve does, from the one config
+    would keep). A key that guards /metrics too is the ingress's to check: the replicas start
+    without one. Ray is left out: `run` builds every replica as Serve does, from the one config
     it is given, and no metrics directory answers; test_ray_serve.py runs a real cluster."""
     save_tiny_model(tmp_path / "tiny")
     replicas: list[EngineReplica] = []
@@ -192,7 +223,8 @@ def test_serve_with_replicas_gives_every_replica_the_kv_cache_dtype(tmp_path, mo
         get_runtime_context=lambda: SimpleNamespace(get_actor_name=lambda: None), get_actor=no_actor))
     try:
         assert main(["serve", str(tmp_path / "tiny"), "--replicas", "2", "--kv-cache-dtype", "float32",
-                     "--max-model-len", "64", "--threads", "1"]) == 0
+                     "--max-model-len", "64", "--threads", "1", "--api-key", "k",
+                     "--api-key-for-metrics-and-docs"]) == 0
         assert len(replicas) == 2
         for replica in replicas:
             engine = replica.runner.engine

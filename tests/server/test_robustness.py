@@ -1,4 +1,5 @@
-"""Robustness: a bounded queue, disconnects, concurrency, a soak, and graceful shutdown.
+"""Robustness: a bounded queue, disconnects, concurrency, a soak, graceful shutdown, and an event
+loop that answers while the engine computes.
 
 Every test ends by checking that no request is left waiting or running and that every cache
 slot is free again (``wait_idle``).
@@ -11,13 +12,18 @@ import http.client
 import json
 import random
 import threading
+import time
 
+import numpy as np
 import openai
 import pytest
+import torch
 
-from liveserver import API_KEY, K, make_server, wait_idle
+from liveserver import API_KEY, K, make_app, make_server, wait_idle
+from verispec import kernels
 from verispec.cli import build_parser
-from verispec.server.runner import Request, ShuttingDown
+from verispec.config import SamplingParams
+from verispec.server.runner import QueueFull, Request, ShuttingDown
 
 GREEDY = {"temperature": 0.0}
 
@@ -49,6 +55,120 @@ def test_full_queue_answers_429_with_retry_after():
         running.close()  # both clients walk away: their requests are cancelled
         queued.close()
         wait_idle(live)
+
+
+def _gauge(metric) -> float:
+    return metric._value.get()
+
+
+def _wait_for(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_cancelled_waiting_request_leaves_the_queue_at_once():
+    """The engine thread is not started here, so nothing but the cancel can take the request out
+    of the queue: its place is free for the next request at once, and it gets its final event."""
+    runner = make_app(max_num_seqs=1, max_queue=1).state.runner
+    events = []
+
+    def request() -> Request:
+        return Request([5, 6, 7], SamplingParams(max_tokens=2), None, events.append)
+
+    waiting = request()
+    runner.submit(waiting)
+    with pytest.raises(QueueFull):
+        runner.submit(request())
+    runner.cancel(waiting)
+    assert [(e.status, e.reason) for e in events] == [(499, "cancelled")]
+    runner.submit(request())  # admitted: the queue holds it alone
+    runner.cancel(waiting)  # a second cancel changes nothing
+    assert len(events) == 1
+    assert _gauge(runner.metrics.waiting) == 1
+    assert _gauge(runner.metrics.aborted.labels(reason="cancelled")) == 1
+    assert _gauge(runner.metrics.received) == 3 and _gauge(runner.metrics.rejected.labels(reason="queue_full")) == 1
+
+
+def test_a_request_sent_right_after_a_queued_one_is_cancelled_is_admitted():
+    """The engine stands still in a step (held), so only the cancel can free the queue's place."""
+    with make_server(max_num_seqs=1, max_queue=1, api_key=None) as live:
+        metrics, engine, release = live.runner.metrics, live.runner.engine, threading.Event()
+        step = engine.step
+
+        def held_step():
+            release.wait(30)
+            return step()
+
+        streams = []
+        try:
+            engine.step = held_step
+            long = {"prompt": "busy", "max_tokens": 40, **GREEDY}
+            streams.append(open_stream(live.port, long, key=None))  # holds the only slot
+            _wait_for(lambda: _gauge(metrics.running) == 1, "the first request never ran")
+            queued = open_stream(live.port, long, key=None)
+            _wait_for(lambda: _gauge(metrics.waiting) == 1, "the second request never queued")
+            queued.close()  # the client leaves
+            _wait_for(lambda: _gauge(metrics.waiting) == 0, "the cancelled request still holds its place in the queue")
+            assert _gauge(metrics.aborted.labels(reason="cancelled")) == 1
+            streams.append(open_stream(live.port, long, key=None))
+            assert streams[-1].status == 200  # queued, not 429
+            assert _gauge(metrics.waiting) == 1 and _gauge(metrics.rejected.labels(reason="queue_full")) == 0
+        finally:
+            release.set()
+            engine.step = step
+        for stream in streams:
+            stream.close()
+        wait_idle(live)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="needs the native kernels")
+def test_health_answers_while_the_engine_thread_is_inside_a_long_native_call():
+    """Each engine step here first runs a native matmul of most of a second on a real model's MLP
+    weight ([8960, 1536], Q8_0; random bytes, the values do not matter). The kernels release the
+    GIL, so /health answers every probe at once throughout; held, the server (and this process's
+    probing thread) would stand still for each call."""
+    n, k = 8960, 1536
+    raw = np.random.default_rng(0).integers(0, 256, size=n * k // 32 * 34, dtype=np.uint8)
+    weight = kernels.repack(kernels.FORMATS["Q8_0"], raw, n, k)
+    x = torch.randn(16, k)
+    with make_server(api_key=None) as live:
+        engine = live.runner.engine
+        step = engine.step
+        calls = []  # how long each native call took
+
+        def computing_step():
+            t0 = time.monotonic()
+            kernels.matmul(x, [weight], "scalar")
+            calls.append(time.monotonic() - t0)
+            return step()
+
+        engine.step = computing_step
+        done = threading.Event()
+
+        def send():
+            open_stream(live.port, {"prompt": "busy", "max_tokens": 3, "ignore_eos": True, **GREEDY}, key=None).read()
+            done.set()
+
+        request = threading.Thread(target=send)
+        request.start()
+        _wait_for(lambda: _gauge(live.runner.metrics.running) == 1, "the request never ran")
+        answered = [time.monotonic()]  # when each probe was answered, from the start
+        while not done.is_set():
+            conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=30)
+            conn.request("GET", "/health")
+            assert conn.getresponse().status == 200
+            answered.append(time.monotonic())
+            conn.close()
+            time.sleep(0.02)
+        request.join()
+        engine.step = step
+        wait_idle(live)
+    gaps = np.diff(answered)
+    assert gaps.max() < min(calls) / 2, (f"{len(gaps)} probes during native calls of {calls} s; the longest "
+                                         f"waits between answers: {sorted(gaps)[-5:]}")
+    assert len(gaps) >= 10  # the steps kept the engine busy for a while
 
 
 def test_client_disconnect_cancels_and_frees_the_slot(server):

@@ -17,6 +17,10 @@ check every path the CPU has against the scalar one for M = 1..16 (and 23 and 33
 see ``csrc/ops.cpp``), up to the cap that ``VERISPEC_ISA`` or :func:`set_max_isa` sets. The weights are the file's
 own: :func:`dequantize` of a packed weight equals ``gguf.quants.dequantize`` of its blocks bit
 for bit.
+
+Every call that computes (a product, attention, a native layer, repacking, dequantizing)
+releases the GIL once its arguments are converted, so other Python threads, such as a server's
+event loop, run while it works (``csrc/ops.cpp``).
 """
 
 from __future__ import annotations

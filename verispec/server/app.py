@@ -13,9 +13,11 @@ trace). ``/openapi.json`` documents each route's errors.
 
 The API key and the body size of ``/v1/`` requests are checked by a pure ASGI middleware
 (:class:`_Gate`) before any body is parsed, so neither an unauthenticated client nor an
-oversized body costs more than its headers and the bytes up to the limit. Tokenization runs in
-a worker thread: the size limit bounds its work, and the event loop (``/health``, streams)
-stays responsive meanwhile. Only a token-id prompt is refused for length before that: a token
+oversized body costs more than its headers and the bytes up to the limit. With
+``api_key_for_metrics_and_docs`` the key guards every other route too (``/metrics``, ``/docs``,
+``/redoc``, ``/openapi.json``) but ``/health``, which liveness probes call without one.
+Tokenization runs in a worker thread: the size limit bounds its work, and the event loop
+(``/health``, streams) stays responsive meanwhile. Only a token-id prompt is refused for length before that: a token
 may span many characters and a normalizer may drop some, so no character count proves a text
 prompt too long for the context.
 
@@ -100,7 +102,8 @@ class APIError(Exception):
         self.headers, self.param = headers, param
 
 
-def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, max_queue: int = 64,
+def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
+              api_key_for_metrics_and_docs: bool = False, max_queue: int = 64,
               shutdown_grace_s: float = 5.0, max_request_bytes: int = MAX_REQUEST_BYTES,
               request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
               max_stream_backlog: int = MAX_STREAM_BACKLOG,
@@ -110,7 +113,10 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, ma
     ``request_timeout_s`` bounds each request from arrival to its last token (None: no limit);
     a stream whose client leaves more than ``max_stream_backlog`` events unread is cancelled;
     a ``/v1/`` request body over ``max_request_bytes`` is refused (413);
-    ``on_fatal`` is called if the engine thread dies (see :mod:`verispec.server.runner`)."""
+    ``on_fatal`` is called if the engine thread dies (see :mod:`verispec.server.runner`);
+    ``api_key_for_metrics_and_docs`` makes every route but ``/health`` require ``api_key``."""
+    if api_key_for_metrics_and_docs and api_key is None:
+        raise ValueError("api_key_for_metrics_and_docs needs an api_key")
     runner = EngineRunner(engine, ServerMetrics(), max_queue, shutdown_grace_s, on_fatal)
 
     @asynccontextmanager
@@ -126,8 +132,9 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None, ma
     app = FastAPI(title="verispec", lifespan=lifespan)
     app.state.runner = runner
     _add_error_handlers(app)
-    app.add_middleware(_Gate, api_key=api_key, max_request_bytes=max_request_bytes)
-    app.openapi = lambda: _openapi(app, secured=api_key is not None)
+    app.add_middleware(_Gate, api_key=api_key, max_request_bytes=max_request_bytes,
+                       everywhere=api_key_for_metrics_and_docs)
+    app.openapi = lambda: _openapi(app, secured=api_key is not None, everywhere=api_key_for_metrics_and_docs)
     service = _Service(runner, model_name, request_timeout_s, max_stream_backlog)
 
     @app.get("/health", responses={503: {"description": "the engine thread has died (see `error`)"}})
@@ -172,7 +179,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, e: RequestValidationError) -> JSONResponse:
         problems = protocol.describe_errors(e.errors())
-        return JSONResponse(error_body(f"invalid request: {problems}"), status_code=400)
+        return JSONResponse(error_body(f"invalid request: {problems}", param=protocol.error_param(e.errors())),
+                            status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -188,13 +196,15 @@ def _error_response(e: APIError) -> JSONResponse:
 class _Gate:
     """Pure ASGI middleware. On ``/v1/`` it checks the API key, then reads the body up to
     ``max_request_bytes`` (refused at once when ``Content-Length`` says it is larger), before
-    the app parses anything. On every route it turns an unexpected exception into a logged 500
-    with the error envelope (or, once the response has started, lets the server close it)."""
+    the app parses anything; with ``everywhere`` it checks the key on every other route but
+    ``/health`` too. On every route it turns an unexpected exception into a logged 500 with the
+    error envelope (or, once the response has started, lets the server close it)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int, everywhere: bool = False) -> None:
         self.app = app
         self.expected = None if api_key is None else api_key.encode()
         self.max_request_bytes = max_request_bytes
+        self.everywhere = everywhere
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -207,15 +217,18 @@ class _Gate:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
-        if scope["path"].startswith("/v1/"):
-            try:
-                replay = await self._admit(scope, receive)
-            except APIError as e:
-                await _error_response(e)(scope, receive, send)
-                return
-            if replay is None:
-                return  # the client left while sending its body
-            receive = replay
+        try:
+            if scope["path"].startswith("/v1/"):
+                self._check_key(scope)
+                replay = await self._read_body(scope, receive)
+                if replay is None:
+                    return  # the client left while sending its body
+                receive = replay
+            elif self.everywhere and scope["path"] != "/health":
+                self._check_key(scope)
+        except APIError as e:
+            await _error_response(e)(scope, receive, send)
+            return
         try:
             await self.app(scope, receive, tracked_send)
         except Exception:
@@ -225,20 +238,20 @@ class _Gate:
             body = error_body("internal server error", "server_error", code="internal_error")
             await JSONResponse(body, status_code=500)(scope, receive, send)
 
-    async def _admit(self, scope: Scope, receive: Receive) -> Receive | None:
-        """Check the key and the size; return a ``receive`` that replays the body."""
-        headers: dict[bytes, bytes] = {}
-        for name, value in scope["headers"]:
-            headers.setdefault(name, value)
-        if self.expected is not None:
-            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            # Constant-time comparison: timing reveals nothing about how much of the key matched.
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
-                raise APIError(401, "invalid or missing API key", "authentication_error", "invalid_api_key",
-                               {"WWW-Authenticate": "Bearer"})
+    def _check_key(self, scope: Scope) -> None:
+        if self.expected is None:
+            return
+        scheme, _, token = _header(scope, b"authorization").partition(b" ")
+        # Constant-time comparison: timing reveals nothing about how much of the key matched.
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.expected):
+            raise APIError(401, "invalid or missing API key", "authentication_error", "invalid_api_key",
+                           {"WWW-Authenticate": "Bearer"})
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> Receive | None:
+        """Check the size; return a ``receive`` that replays the body (None: the client left)."""
         too_large = APIError(413, f"the request body is larger than {self.max_request_bytes} bytes",
                              code="request_too_large")
-        length = headers.get(b"content-length", b"")
+        length = _header(scope, b"content-length")
         if length.isdigit() and int(length) > self.max_request_bytes:
             raise too_large
         chunks, size, more = [], 0, True
@@ -261,6 +274,11 @@ class _Gate:
             return message
 
         return replay
+
+
+def _header(scope: Scope, name: bytes) -> bytes:
+    """The first value of header ``name`` (lower case), or b""."""
+    return next((value for key, value in scope["headers"] if key == name), b"")
 
 
 _ERROR_DESCRIPTIONS = {
@@ -291,9 +309,10 @@ def _generation_responses(model: type, chunk: type) -> dict:
     return {200: ok, **errors}
 
 
-def _openapi(app: FastAPI, secured: bool) -> dict:
+def _openapi(app: FastAPI, secured: bool, everywhere: bool) -> dict:
     """FastAPI's OpenAPI document made to match the server: no 422 (validation errors are
-    400), the gate's 401 (with a key) and 413 on ``/v1/`` routes, 500 on every route."""
+    400), the gate's 413 on ``/v1/`` routes and its 401 (with a key) on the routes it guards
+    (``/v1/`` ones, or with ``everywhere`` all but ``/health``), 500 on every route."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -309,13 +328,14 @@ def _openapi(app: FastAPI, secured: bool) -> dict:
     if secured:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for path, operations in doc["paths"].items():
-        gated = path.startswith("/v1/")
+        sized = path.startswith("/v1/")
+        keyed = secured and (sized or (everywhere and path != "/health"))
         for operation in operations.values():
             responses = operation["responses"]
             responses.pop("422", None)
-            for status in ((401, 413, 500) if gated and secured else (413, 500) if gated else (500,)):
+            for status in ([401] if keyed else []) + ([413] if sized else []) + [500]:
                 responses[str(status)] = {"description": _ERROR_DESCRIPTIONS[status], **error}
-            if gated and secured:
+            if keyed:
                 operation["security"] = [{"bearer": []}]
     app.openapi_schema = doc
     return doc
@@ -338,14 +358,14 @@ class _Service:
         """The cheap checks, before the prompt is tokenized."""
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           "not_found_error", "model_not_found")
-        problem = body.unsupported()
-        if problem:
-            raise APIError(400, problem)
+                           "not_found_error", "model_not_found", param="model")
+        refusal = body.refused()
+        if refusal is not None:
+            raise APIError(400, refusal.message, param=refusal.param)
         if isinstance(body, ChatCompletionRequest) and not self.engine.target.tokenizer.has_chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions")
         if isinstance(body, CompletionRequest) and isinstance(body.prompt, list):
-            self._check_prompt_length(len(body.prompt))  # token ids: their count is known already
+            self._check_prompt_length(len(body.prompt), "prompt")  # token ids: their count is known already
 
     def completion_prompt(self, body: CompletionRequest) -> list[int]:
         """Token ids of the prompt (blocking: runs in a worker thread)."""
@@ -355,10 +375,10 @@ class _Service:
             vocab = self.engine.model.config.vocab_size
             bad = [t for t in body.prompt if not 0 <= t < vocab]
             if bad:
-                raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+                raise APIError(400, f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
             ids = list(body.prompt)
         if not ids:
-            raise APIError(400, "the prompt is empty")
+            raise APIError(400, "the prompt is empty", param="prompt")
         return ids
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
@@ -400,22 +420,24 @@ class _Service:
             return StreamingResponse(self._stream(request, queue, reply), media_type="text/event-stream")
         return await self._collect(request, queue, reply, http)
 
-    def _check_prompt_length(self, prompt_len: int) -> None:
+    def _check_prompt_length(self, prompt_len: int, param: str) -> None:
         limit = self.engine.max_model_len
         if prompt_len >= limit:
             raise APIError(400, f"the prompt has {prompt_len} tokens but this model's maximum context "
-                           f"length is {limit} tokens", code="context_length_exceeded")
+                           f"length is {limit} tokens", code="context_length_exceeded", param=param)
 
     def _sampling_params(self, body: protocol.SamplingRequest, prompt_len: int) -> SamplingParams:
-        self._check_prompt_length(prompt_len)
+        chat = isinstance(body, ChatCompletionRequest)
+        self._check_prompt_length(prompt_len, "messages" if chat else "prompt")
         limit = self.engine.max_model_len
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
             max_tokens = limit - prompt_len
         if prompt_len + max_tokens > limit:
+            param = "max_completion_tokens" if chat and body.max_completion_tokens is not None else "max_tokens"
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
                            f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "
-                           f"{max_tokens} for the completion)", code="context_length_exceeded")
+                           f"{max_tokens} for the completion)", code="context_length_exceeded", param=param)
         try:
             return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                   min_p=body.min_p, max_tokens=max_tokens, stop=body.stop_strings(),

@@ -50,6 +50,9 @@ class ServerConfig(BaseModel):
     served_model_name: str | None = Field(None, description="the model id clients use (default: model)")
     api_key: str | None = Field(None, min_length=1, description="required as a bearer token on /v1 routes "
                                 "(default: $VERISPEC_API_KEY, where set and not empty; else none)")
+    api_key_for_metrics_and_docs: bool = Field(
+        False, description="require the key on /metrics, /docs, /redoc and /openapi.json too (/health stays "
+        "open); default: only /v1 routes, as vLLM")
     max_queue: int = Field(64, ge=1, description="waiting requests before answering 429")
     max_request_bytes: int = Field(MAX_REQUEST_BYTES, ge=1, description="larger /v1 bodies get 413")
     request_timeout_s: float | None = Field(600.0, gt=0, description="arrival to last token; None: no limit")
@@ -78,8 +81,13 @@ class ServerConfig(BaseModel):
         return parse_spec(self.speculative_config)
 
     def resolved_api_key(self, environ: Mapping[str, str] = os.environ) -> str | None:
-        """The key /v1 routes require: ``api_key``, else ``$VERISPEC_API_KEY`` (unset or empty: none)."""
-        return self.api_key or environ.get("VERISPEC_API_KEY") or None
+        """The key /v1 routes require: ``api_key``, else ``$VERISPEC_API_KEY`` (unset or empty: none).
+        Raises ValueError where ``api_key_for_metrics_and_docs`` asks for a key and there is none."""
+        key = self.api_key or environ.get("VERISPEC_API_KEY") or None
+        if key is None and self.api_key_for_metrics_and_docs:
+            raise ValueError("api_key_for_metrics_and_docs needs an API key "
+                             "(--api-key-file, VERISPEC_API_KEY or --api-key)")
+        return key
 
 
 def parse_spec(data: Mapping[str, Any] | None) -> SpeculativeConfig | None:

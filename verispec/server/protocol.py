@@ -13,8 +13,10 @@ every bound below is also published there:
   tokenizer crash.
 
 Fields that OpenAI defines but verispec does not implement are accepted only at their neutral
-value (``n=1``, no ``logprobs``, zero penalties), which the schema states; anything else is a
-clear 400 (:meth:`SamplingRequest.unsupported`), never silently ignored.
+value (``n`` 1 or null, no ``logprobs``, zero penalties), which the schema states; anything else
+is a clear 400 (:meth:`SamplingRequest.refused`), never silently ignored. So is an unknown key,
+at the top level or inside a chat message, and ``stream_options`` without ``stream: true`` (as
+OpenAI answers). Each such 400 names the field in the error's ``param``.
 
 verispec extras:
 
@@ -27,7 +29,7 @@ verispec extras:
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
 
@@ -67,6 +69,13 @@ NonEmptyText = Annotated[str, StringConstraints(min_length=1), BeforeValidator(_
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), BeforeValidator(_valid_unicode)]
 
 
+class Refusal(NamedTuple):
+    """Why a well-formed request is refused: the field (OpenAI's error ``param``) and a message."""
+
+    param: str
+    message: str
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True)
 
@@ -85,7 +94,10 @@ class StreamOptions(_Strict):
 class SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    # The schema states what `refused` checks across fields: stream_options needs stream true.
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+        "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}})
 
     model: Text | None = None
     max_tokens: PositiveInt | None = None
@@ -100,22 +112,28 @@ class SamplingRequest(_Strict):
     user: Text | None = None
     ignore_eos: bool = False
     speculative: SpeculativeOptions | None = None
-    # Accepted only at their neutral value (`unsupported`); the schema says which.
-    n: Int = Field(default=1, json_schema_extra={"const": 1})
+    # Accepted only at their neutral value (`refused`); the schema says which.
+    n: Int | None = Field(default=1, json_schema_extra={"enum": [1, None]})  # null means 1, as in OpenAI's API
     logprobs: bool | Int | None = Field(default=None, json_schema_extra={"enum": [False, 0, None]})
     top_logprobs: Int | None = Field(default=None, json_schema_extra={"enum": [0, None]})
     presence_penalty: float = Field(default=0.0, json_schema_extra={"const": 0})
     frequency_penalty: float = Field(default=0.0, json_schema_extra={"const": 0})
     logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra={"maxProperties": 0})
 
-    def unsupported(self) -> str | None:
-        """A message naming the first unsupported option that was set, or None."""
-        if self.n != 1:
-            return f"n={self.n} is not supported: verispec returns one choice per request (n=1)"
-        if self.logprobs not in (None, False, 0) or self.top_logprobs:
-            return "logprobs are not supported by verispec"
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            return "presence_penalty, frequency_penalty and logit_bias are not supported by verispec"
+    def refused(self) -> Refusal | None:
+        """The first option that was set but that verispec refuses (unsupported, or not allowed
+        with the others), or None."""
+        if self.n not in (None, 1):
+            return Refusal("n", f"n={self.n} is not supported: verispec returns one choice per request (n=1)")
+        if self.logprobs not in (None, False, 0):
+            return Refusal("logprobs", "logprobs are not supported by verispec")
+        if self.top_logprobs:
+            return Refusal("top_logprobs", "logprobs are not supported by verispec")
+        for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
+            if getattr(self, name):
+                return Refusal(name, "presence_penalty, frequency_penalty and logit_bias are not supported by verispec")
+        if self.stream_options is not None and not self.stream:
+            return Refusal("stream_options", "stream_options is only allowed when stream is true")
         return None
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -133,18 +151,25 @@ class CompletionRequest(SamplingRequest):
     suffix: Text | None = Field(default=None, json_schema_extra={"maxLength": 0})
     best_of: Int | None = Field(default=None, json_schema_extra={"enum": [1, None]})
 
-    def unsupported(self) -> str | None:
-        if self.echo or self.suffix or (self.best_of not in (None, 1)):
-            return "echo, suffix and best_of are not supported by verispec"
-        return super().unsupported()
+    def refused(self) -> Refusal | None:
+        for name in ("echo", "suffix"):
+            if getattr(self, name):
+                return Refusal(name, "echo, suffix and best_of are not supported by verispec")
+        if self.best_of not in (None, 1):
+            return Refusal("best_of", "echo, suffix and best_of are not supported by verispec")
+        return super().refused()
 
 
 class TextPart(_Strict):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text"]
     text: Text
 
 
 class ChatMessage(_Strict):
+    model_config = ConfigDict(extra="forbid")
+
     role: Literal["system", "user", "assistant", "developer"]
     content: Text | list[TextPart]
     name: Text | None = None
@@ -278,7 +303,20 @@ class ModelList(BaseModel):
 
 
 def describe_errors(errors: list[dict]) -> str:
-    """pydantic's errors as ``field.path: message; ...``.
+    """pydantic's errors as ``field.path: message; ...`` (``body`` for the body as a whole)."""
+    return "; ".join(f"{path or 'body'}: {message}" for path, message in _problems(errors))
+
+
+def error_param(errors: list[dict]) -> str | None:
+    """The field of the first of pydantic's errors, as :func:`describe_errors` names it (OpenAI's
+    error ``param``); None where the body as a whole is wrong (not JSON, not an object)."""
+    problems = _problems(errors)
+    return (problems[0][0] or None) if problems else None
+
+
+def _problems(errors: list[dict]) -> list[tuple[str, str]]:
+    """pydantic's errors as (field path, message), the path dotted (``messages.0.role``; empty
+    for the body as a whole).
 
     A union (``prompt``: text or token ids) reports one error per member, labelled with the
     member's type; the labels are dropped, and so is a member's wrong-type error when another
@@ -289,14 +327,17 @@ def describe_errors(errors: list[dict]) -> str:
         path = tuple(p for p in err.get("loc", ()) if p != "body" and not _is_union_label(p))
         error = (err.get("ctx") or {}).get("error")
         message = str(error) if err.get("type") == "value_error" and error is not None else err.get("msg")
+        if err.get("type") == "json_invalid":  # FastAPI puts the character's position where a field goes
+            message = f"{message} at character {path[-1]}: {error}" if path and error else message
+            path = ()
         found.append((path, err.get("type", ""), message))
 
     def explained_elsewhere(path: tuple, kind: str) -> bool:  # by a deeper or a non-type error
         return kind.endswith("_type") and any(
             p[:len(path)] == path and (len(p) > len(path) or not k.endswith("_type")) for p, k, _ in found)
 
-    kept = [(path, message) for path, kind, message in found if not explained_elsewhere(path, kind)]
-    return "; ".join(f"{'.'.join(str(p) for p in path) or 'body'}: {message}" for path, message in kept)
+    return [(".".join(str(p) for p in path), message) for path, kind, message in found
+            if not explained_elsewhere(path, kind)]
 
 
 def _is_union_label(part: object) -> bool:

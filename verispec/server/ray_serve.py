@@ -463,7 +463,8 @@ def build_ingress_app(ingress: Ingress) -> FastAPI:
     async def v1(http: Request) -> Response:
         return await ingress.forward(http)
 
-    return _Gate(app, api_key=ingress.api_key, max_request_bytes=ingress.config.max_request_bytes)
+    return _Gate(app, api_key=ingress.api_key, max_request_bytes=ingress.config.max_request_bytes,
+                 everywhere=ingress.config.api_key_for_metrics_and_docs)
 
 
 # ---- building the application -------------------------------------------------------------------

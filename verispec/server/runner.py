@@ -6,7 +6,8 @@ call) meet at two thread-safe points:
 * :meth:`EngineRunner.submit` appends a :class:`Request` to a bounded waiting queue (a full
   queue raises :class:`QueueFull`, which the app turns into 429 with ``Retry-After``; a dead
   engine thread raises :class:`EngineDead`, 503); :meth:`EngineRunner.cancel` flags a request
-  whose client went away (or reads too slowly).
+  whose client went away (or reads too slowly). A cancelled request that still waits leaves the
+  queue at once, so its place is free for the next one.
 * The engine thread reports back through each request's ``deliver`` callback, which the app
   binds to ``loop.call_soon_threadsafe(queue.put_nowait, ...)``.
 
@@ -158,9 +159,15 @@ class EngineRunner:
             self._cond.notify()
 
     def cancel(self, request: Request, reason: str = "cancelled") -> None:
+        """End ``request`` for ``reason``: at once if it still waits (it leaves the queue and gets
+        its final event), else at the engine thread's next iteration (its sequence is aborted)."""
         with self._cond:
             if request.cancelled is None:
                 request.cancelled = reason
+            if request in self._waiting:  # only the thread that takes a request out of the queue ends it
+                self._waiting.remove(request)
+                self._end(request, _abort(request.cancelled))  # counted before the gauge drops
+                self.metrics.waiting.set(len(self._waiting))
             self._cond.notify()
 
     def begin_stop(self) -> None:

@@ -111,9 +111,11 @@ def build_server_app(config: ServerConfig, *, api_key: str | None, progress: boo
                         kv_cache_dtype=config.kv_cache_dtype)
     engine = Engine(target, config.spec(), max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                     prefix_caching=config.enable_prefix_caching)
-    return build_app(engine, config.name, api_key=api_key, max_queue=config.max_queue,
-                     max_request_bytes=config.max_request_bytes, request_timeout_s=config.request_timeout_s,
-                     on_fatal=on_fatal)
+    # without a key (a Ray Serve replica's app), there is nothing to guard /metrics with
+    everywhere = config.api_key_for_metrics_and_docs and api_key is not None
+    return build_app(engine, config.name, api_key=api_key, api_key_for_metrics_and_docs=everywhere,
+                     max_queue=config.max_queue, max_request_bytes=config.max_request_bytes,
+                     request_timeout_s=config.request_timeout_s, on_fatal=on_fatal)
 
 
 def is_loopback(host: str) -> bool:

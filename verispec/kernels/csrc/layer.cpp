@@ -136,7 +136,8 @@ void bind_layer(py::module_& m) {
   py::class_<NativeLayer>(m, "NativeLayer", "a decoder layer on the native kernels in one call (layer.cpp)")
       .def(py::init<py::tuple, py::tuple, py::tuple, py::tuple, torch::Tensor, double, torch::Tensor, double, int64_t,
                     int64_t, double>())
-      .def("forward", &NativeLayer::forward);
+      // the constructor reads Python tuples, so it keeps the GIL; forward releases it (ops.cpp)
+      .def("forward", &NativeLayer::forward, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace verispec

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -62,7 +63,8 @@ bool isa_supported(int isa) {
 // (docs/kernels.md, Dispatch per ISA): AMX starts where its tiles are full.
 constexpr int64_t kAmxMinRows = 32;
 
-// The paths by speed, and the fastest one a call may take by default (set_max_isa; -1: any).
+// The paths by speed, and the fastest one a call may take by default (set_max_isa; -1: any;
+// atomic, since calls run without the GIL: one thread may set it while another's call reads it).
 int speed_rank(int isa) {
   switch (isa) {
     case kAvx2: return 1;
@@ -72,10 +74,11 @@ int speed_rank(int isa) {
     default: return 0;
   }
 }
-int g_max_isa = -1;
+std::atomic<int> g_max_isa{-1};
 
 bool default_may_use(int isa) {
-  return isa_supported(isa) && (g_max_isa < 0 || speed_rank(isa) <= speed_rank(g_max_isa));
+  const int cap = g_max_isa.load(std::memory_order_relaxed);
+  return isa_supported(isa) && (cap < 0 || speed_rank(isa) <= speed_rank(cap));
 }
 
 int best_isa(int64_t m) {
@@ -384,7 +387,7 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
 // -1 lifts the cap. Results are the same bits on every path; only the speed changes.
 void set_max_isa(int64_t isa) {
   TORCH_CHECK(isa < 0 || isa_supported((int)isa), "ISA path ", isa, " is not supported by this CPU");
-  g_max_isa = (int)isa;
+  g_max_isa.store((int)isa, std::memory_order_relaxed);
 }
 
 std::vector<int64_t> supported_isas() {
@@ -403,13 +406,19 @@ std::vector<torch::Tensor> qkv_rope(torch::Tensor qkv, torch::Tensor cos, torch:
 void bind_layer(py::module_& m);
 }
 
+// Every call that computes releases the GIL once its arguments are converted (py::call_guard),
+// so other Python threads (the server's event loop) run while the kernels work. Nothing inside
+// touches a Python object: tensors are read through their data pointers, and errors
+// (TORCH_CHECK) are translated after the GIL is taken back. The three small queries and settings
+// at the end keep it: they return at once.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attention", &verispec::attention, "row-invariant attention over the cache (attention.cpp)");
-  m.def("qkv_rope", &verispec::qkv_rope, "q/k/v split into heads, RoPE on q and k (attention.cpp)");
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("attention", &verispec::attention, "row-invariant attention over the cache (attention.cpp)", nogil());
+  m.def("qkv_rope", &verispec::qkv_rope, "q/k/v split into heads, RoPE on q and k (attention.cpp)", nogil());
+  m.def("repack", &verispec::repack, "GGUF blocks -> packed tiles", nogil());
+  m.def("dequantize", &verispec::dequantize, "packed tiles -> float32 weight, as gguf dequantizes", nogil());
+  m.def("linear", &verispec::linear, "x @ W.T (+ bias) over packed parts", nogil());
   m.def("packed_nbytes", &verispec::packed_nbytes, "bytes of a packed [n, k] weight");
-  m.def("repack", &verispec::repack, "GGUF blocks -> packed tiles");
-  m.def("dequantize", &verispec::dequantize, "packed tiles -> float32 weight, as gguf dequantizes");
-  m.def("linear", &verispec::linear, "x @ W.T (+ bias) over packed parts");
   m.def("supported_isas", &verispec::supported_isas);
   m.def("set_max_isa", &verispec::set_max_isa);
   verispec::bind_layer(m);
