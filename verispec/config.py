@@ -35,6 +35,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    # Return each emitted token's logprob and this many most likely tokens at its position
+    # (0: the emitted token's only); None computes none. See :mod:`verispec.logprobs`.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -54,6 +57,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (int64), got {self.seed}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -13,6 +13,7 @@ import torch
 
 from verispec.config import SamplingParams
 from verispec.detokenize import IncrementalDetokenizer, StopChecker
+from verispec.logprobs import TokenLogprob
 from verispec.metrics import SpecMetrics
 
 
@@ -40,6 +41,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" | "abort" | "error"
     error: str | None = None  # what failed, when finish_reason is "error"
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    # One per output token when ``params.logprobs`` is set (the engine fills it), else empty.
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
     # The target's features (the hidden-state layers a drafter declares in ``hidden_layers``,
     # concatenated) at the input rows of the last pass, one row per token committed by it:
     # row i is the input whose logits gave the i-th committed token. After prefill, every

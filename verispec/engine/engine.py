@@ -51,6 +51,12 @@ hidden states of those layers from the passes the engine runs anyway: after pref
 position; after each round, the rows of the committed tokens' inputs (a tree's accepted path), in
 ``seq.target_hidden``, set before ``feedback``. No pass is added for them.
 
+Logprobs. A request that asks for them (``SamplingParams.logprobs``) gets, for each committed
+token, the log-softmax of the target row that emitted it (:mod:`verispec.logprobs`): the prefill's
+last row, a plain step's row, or the verify pass's row of an accepted draft, the recovered token or
+the bonus token (a tree's: its root and accepted path, :meth:`Verified.rows`). They are computed
+after the stop check, for the committed tokens only, and for no other request.
+
 Slots and prefix caching are in :mod:`verispec.engine.slots`, the cost calibration of an
 adaptive engine in :mod:`verispec.engine.calibration`, and what happens when something fails (one
 sequence fails, never the batch) in :mod:`verispec.engine.faults`.
@@ -71,6 +77,7 @@ from verispec.engine import faults
 from verispec.engine.batch_k import StepCosts, choose_k
 from verispec.engine.calibration import calibrate
 from verispec.engine.slots import SlotTable, prefix_caching_for
+from verispec.logprobs import token_logprobs
 from verispec.sequence import Sequence
 from verispec.sampling import logits_to_probs, make_generator
 from verispec.speculative.base import EMPTY_PROPOSAL, Drafter, DrafterContext, Outcome, Proposal
@@ -92,6 +99,15 @@ class Verified:
     aux_logits: torch.Tensor | None = None  # [m, V] logits of the proposal's aux branch
     proposal: Proposal | None = None  # what was verified, when not the drafter's proposal (a retry)
     features: torch.Tensor | None = None  # [n+1, F] the pass's rows (tree: its nodes), for the drafter
+    logits: torch.Tensor | None = None  # [n+1, V] the pass's target logits (tree: its nodes), for logprobs
+
+    def rows(self, num_committed: int) -> list[int]:
+        """The pass's rows (tree nodes) whose logits gave the committed tokens, in order: the
+        committed tokens' inputs. A chain's are its first rows; a tree's are its root and the
+        accepted path, e.g. path (2, 5) commits 3 tokens from nodes [0, 2, 5]."""
+        if self.path is None:
+            return list(range(num_committed))
+        return [0, *self.path][:num_committed]
 
 
 class Engine:
@@ -289,7 +305,8 @@ class Engine:
         if features is not None:
             seq.target_hidden = features[0]  # [P, F]
         result = self._verify_logits(seq, EMPTY_PROPOSAL, logits)
-        seq.append(result.committed(0))
+        committed, _ = seq.append(result.committed(0))
+        _record_logprobs(seq, logits[0], [0], committed)
         if self.drafter is not None and not seq.finished:
             self.drafter.start(seq)  # per-request set-up (a draft model defers reading the prompt)
         seq.metrics.prefill_time_s += time.perf_counter() - t0
@@ -405,7 +422,7 @@ class Engine:
             row_features = None if features is None else features[b, : len(proposal) + 1]  # [n+1, F]
             try:
                 verified.append(Verified(self._verify_logits(seq, proposal, row_logits), starts[b],
-                                         features=row_features))
+                                         features=row_features, logits=row_logits[0]))
             except Exception as e:
                 faults.fail(seq, "verifying and sampling", e)
                 verified.append(None)
@@ -434,7 +451,7 @@ class Engine:
         n1 = len(segment)
         aux_logits = None if aux is None else logits[0, n1:]  # [m, V]
         return Verified(self._verify_logits(seq, proposal, logits[:, :n1]), start, aux_logits=aux_logits,
-                        features=None if features is None else features[0, :n1])
+                        features=None if features is None else features[0, :n1], logits=logits[0, :n1])
 
     def _verify_logits(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> VerifyResult:
         p = seq.params
@@ -464,10 +481,12 @@ class Engine:
                                             proposal.children, seq.generator)
         seq.metrics.record_tree(len(proposal), result.num_accepted)
         as_chain = VerifyResult(torch.tensor([result.num_accepted]), torch.tensor([result.tokens]))
-        return Verified(as_chain, start, result.path, features=None if features is None else features[0])
+        return Verified(as_chain, start, result.path, features=None if features is None else features[0],
+                        logits=logits)
 
     def _accept(self, seq: Sequence, proposal: Proposal, verified: Verified) -> tuple[Outcome, str]:
         committed, text = seq.append(verified.result.committed(0))
+        _record_logprobs(seq, verified.logits, verified.rows(len(committed)), committed)
         outcome = Outcome(len(proposal), int(verified.result.num_accepted[0]), committed, verified.aux_logits)
         seq.metrics.record_round(outcome.num_proposed, outcome.num_accepted, len(committed))
         return outcome, text
@@ -475,8 +494,7 @@ class Engine:
     def _commit(self, seq: Sequence, verified: Verified, outcome: Outcome) -> None:
         # The pass wrote t, d_1..d_n; keep t and the accepted drafts (the last committed token's
         # K/V is written next round). A tree keeps its root and accepted path, compacted.
-        keep = list(range(len(outcome.committed))) if verified.path is None else [0, *verified.path][
-            : len(outcome.committed)]  # the pass's rows (tree nodes) of the committed tokens' inputs
+        keep = verified.rows(len(outcome.committed))
         if verified.path is None:
             self.cache.truncate(seq.slot, verified.cache_start + len(outcome.committed))
         else:
@@ -498,6 +516,14 @@ class Engine:
                 faults.log.exception("the drafter failed to drop the state of slot %d", seq.slot)
         self.slots.release(seq.slot, seq.token_ids, reusable=seq.finish_reason != "error")
         self.metrics.merge(seq.metrics)
+
+def _record_logprobs(seq: Sequence, logits: torch.Tensor, rows: list[int], committed: list[int]) -> None:
+    """Append the committed tokens' logprobs, for a request that asks for them (nothing is
+    computed otherwise): ``logits[rows[i]]`` (``logits`` is a pass's ``[rows, V]``) is the
+    target row that gave ``committed[i]`` (see :mod:`verispec.logprobs`)."""
+    if seq.params.logprobs is not None:
+        seq.output_logprobs.extend(token_logprobs(logits[rows], committed, seq.params.logprobs))
+
 
 def _fixed_k(seq: Sequence) -> bool:
     """A request that pinned its k, or a seeded sampled one (its seed must reproduce its output),
