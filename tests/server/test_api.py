@@ -122,7 +122,7 @@ def test_per_request_speculative_extra(client):
     ("kwargs", "message", "param"),
     [
         ({"n": 2}, "n=2 is not supported", "n"),
-        ({"logprobs": 2}, "logprobs are not supported", "logprobs"),
+        ({"logprobs": 21}, "logprobs: Input should be less than or equal to 20", "logprobs"),
         ({"max_tokens": MAX_MODEL_LEN}, "maximum context length", "max_tokens"),
         ({"prompt": "x" * MAX_MODEL_LEN}, "maximum context length", "prompt"),
         ({"temperature": "hot"}, "temperature", "temperature"),

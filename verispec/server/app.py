@@ -57,6 +57,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from verispec.config import MAX_REQUEST_BYTES, SamplingParams
 from verispec.engine.engine import Engine
+from verispec.logprobs import TokenLogprob
 from verispec.sequence import Sequence
 from verispec.server import protocol
 from verispec.server.metrics import ServerMetrics
@@ -415,7 +416,7 @@ class _Service:
             raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineDead as e:
             raise APIError(503, str(e), "service_unavailable", "engine_dead") from None
-        reply = _Reply(self.model_name, chat, len(prompt_ids))
+        reply = _Reply(self.model_name, chat, len(prompt_ids), self.engine.target.tokenizer, params.logprobs)
         if body.stream:
             return StreamingResponse(self._stream(request, queue, reply), media_type="text/event-stream")
         return await self._collect(request, queue, reply, http)
@@ -441,7 +442,7 @@ class _Service:
         try:
             return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                   min_p=body.min_p, max_tokens=max_tokens, stop=body.stop_strings(),
-                                  ignore_eos=body.ignore_eos, seed=body.seed)
+                                  ignore_eos=body.ignore_eos, seed=body.seed, logprobs=body.requested_logprobs())
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -464,6 +465,7 @@ class _Service:
         """Wait for the whole completion, or for the client to disconnect (noticed at once: a
         task waits for the connection's disconnect message, whatever the tokens do)."""
         pieces: list[str] = []
+        logprobs: list[TokenLogprob] = []
         event = Event()
         gone = asyncio.ensure_future(_disconnected(http))
         try:
@@ -475,6 +477,7 @@ class _Service:
                     return Response(status_code=499)  # nobody reads it; `finally` cancels
                 event = get.result()
                 pieces.append(event.text)
+                logprobs.extend(event.logprobs)
         finally:
             gone.cancel()
             if not event.done:
@@ -483,7 +486,7 @@ class _Service:
             headers = {"Retry-After": str(RETRY_AFTER_S)} if event.status == 503 else None
             raise APIError(event.status, f"request not completed: {event.error}",
                            _ERROR_TYPES.get(event.status, "server_error"), headers=headers)
-        return JSONResponse(reply.full("".join(pieces), event.final))
+        return JSONResponse(reply.full("".join(pieces), logprobs, event.final))
 
     async def _stream(self, request: EngineRequest, queue: asyncio.Queue[Event],
                       reply: _Reply) -> AsyncIterator[str]:
@@ -499,8 +502,8 @@ class _Service:
                         yield _sse(reply.chunk(event.text))
                     yield _sse(error_body(f"request not completed: {event.error}",
                                           _ERROR_TYPES.get(event.status, "server_error")))
-                elif event.text or event.final is not None:
-                    yield _sse(reply.chunk(event.text, event.final))
+                elif event.text or event.logprobs or event.final is not None:
+                    yield _sse(reply.chunk(event.text, event.final, event.logprobs))
             yield "data: [DONE]\n\n"
         finally:
             if not done:  # the client went away (the generator was cancelled or closed)
@@ -519,12 +522,18 @@ def _sse(payload: dict) -> str:
 
 
 class _Reply:
-    """Builds the response bodies of one request (completion or chat, whole or chunks)."""
+    """Builds the response bodies of one request (completion or chat, whole or chunks).
 
-    def __init__(self, model: str, chat: bool, prompt_tokens: int) -> None:
+    ``top_logprobs`` is how many top logprobs each token comes with (None: the request asked for
+    no logprobs, and every ``logprobs`` is null). A token's text is its own decoding, special
+    tokens included; ``text_offset`` counts those texts from the start of the completion."""
+
+    def __init__(self, model: str, chat: bool, prompt_tokens: int, tokenizer, top_logprobs: int | None) -> None:
         self.model, self.chat, self.prompt_tokens = model, chat, prompt_tokens
+        self.tokenizer, self.top_logprobs = tokenizer, top_logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.text_offset = 0  # completions: where the next token's text starts
 
     def _envelope(self, kind: str, choice: dict, seq: Sequence | None) -> dict:
         body = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
@@ -533,19 +542,50 @@ class _Reply:
             body["speculative_stats"] = protocol.speculative_stats(seq.metrics)
         return body
 
-    def full(self, text: str, seq: Sequence) -> dict:
+    def full(self, text: str, logprobs: list[TokenLogprob], seq: Sequence) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": seq.finish_reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._logprobs(logprobs), "finish_reason": seq.finish_reason}
             return self._envelope("chat.completion", choice, seq)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": seq.finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": seq.finish_reason}
         return self._envelope("text_completion", choice, seq)
 
-    def chunk(self, delta: str | dict, seq: Sequence | None = None) -> dict:
+    def chunk(self, delta: str | dict, seq: Sequence | None = None, logprobs: tuple[TokenLogprob, ...] = ()) -> dict:
         finish = None if seq is None else seq.finish_reason
         if self.chat:
             content = delta if isinstance(delta, dict) else {"content": delta}
-            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": content, "logprobs": self._logprobs(logprobs) if logprobs else None,
+                      "finish_reason": finish}
             return self._envelope("chat.completion.chunk", choice, seq)
-        choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": delta, "logprobs": self._logprobs(logprobs) if logprobs else None,
+                  "finish_reason": finish}
         return self._envelope("text_completion", choice, seq)
+
+    def _logprobs(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict | None:
+        """The ``logprobs`` of a choice (or chunk) holding ``entries``, in OpenAI's shape."""
+        if self.top_logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [{**self._token(t.token_id, t.logprob),
+                                 "top_logprobs": [self._token(i, lp) for i, lp in t.top]} for t in entries]}
+        tokens = [self._text(t.token_id) for t in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [_finite(t.logprob) for t in entries],
+                "top_logprobs": [{**{self._text(i): _finite(lp) for i, lp in t.top},
+                                  self._text(t.token_id): _finite(t.logprob)} for t in entries],
+                "text_offset": offsets}
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = self._text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: a token the model rules out gets ``LOGPROB_FLOOR``, as in vLLM."""
+    return max(logprob, protocol.LOGPROB_FLOOR)

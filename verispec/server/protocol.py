@@ -12,8 +12,12 @@ every bound below is also published there:
 * every string is valid Unicode: a lone surrogate (JSON ``"\\ud800"``) is a 400, not a
   tokenizer crash.
 
+* ``logprobs`` (chat: ``true`` and ``top_logprobs`` 0 to ``MAX_TOP_LOGPROBS``; completions: the
+  number of top logprobs, 0 to ``MAX_TOP_LOGPROBS``), as vLLM defines them by default (see
+  :mod:`verispec.logprobs`); ``top_logprobs`` without ``logprobs: true`` is a 400, as in OpenAI's API.
+
 Fields that OpenAI defines but verispec does not implement are accepted only at their neutral
-value (``n`` 1 or null, no ``logprobs``, zero penalties), which the schema states; anything else
+value (``n`` 1 or null, zero penalties), which the schema states; anything else
 is a clear 400 (:meth:`SamplingRequest.refused`), never silently ignored. So is an unknown key,
 at the top level or inside a chat message, and ``stream_options`` without ``stream: true`` (as
 OpenAI answers). Each such 400 names the field in the error's ``param``.
@@ -38,6 +42,8 @@ from verispec.metrics import SpecMetrics
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API and vLLM's default max_logprobs
+LOGPROB_FLOOR = -9999.0  # a logprob of -inf is sent as this (JSON has no infinity), as vLLM does
 
 
 def _valid_unicode(value: object) -> object:
@@ -59,6 +65,7 @@ def _integral(value: object) -> object:
 Int = Annotated[int, BeforeValidator(_integral)]
 PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
 NonNegativeInt = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral)]
 TopK = Annotated[int, Field(ge=-1, le=TOP_K_MAX), BeforeValidator(_integral)]
 # OpenAPI's int64 format rather than the bounds: FastAPI writes bounds as floats, and 2**63 - 1
 # as a float is 2**63.
@@ -91,13 +98,19 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+_STREAM_OPTIONS_NEED_STREAM = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+_TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+
+
 class SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
     # The schema states what `refused` checks across fields: stream_options needs stream true.
-    model_config = ConfigDict(extra="forbid", json_schema_extra={
-        "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
-        "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}})
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_STREAM_OPTIONS_NEED_STREAM)
 
     model: Text | None = None
     max_tokens: PositiveInt | None = None
@@ -114,8 +127,6 @@ class SamplingRequest(_Strict):
     speculative: SpeculativeOptions | None = None
     # Accepted only at their neutral value (`refused`); the schema says which.
     n: Int | None = Field(default=1, json_schema_extra={"enum": [1, None]})  # null means 1, as in OpenAI's API
-    logprobs: bool | Int | None = Field(default=None, json_schema_extra={"enum": [False, 0, None]})
-    top_logprobs: Int | None = Field(default=None, json_schema_extra={"enum": [0, None]})
     presence_penalty: float = Field(default=0.0, json_schema_extra={"const": 0})
     frequency_penalty: float = Field(default=0.0, json_schema_extra={"const": 0})
     logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra={"maxProperties": 0})
@@ -125,10 +136,6 @@ class SamplingRequest(_Strict):
         with the others), or None."""
         if self.n not in (None, 1):
             return Refusal("n", f"n={self.n} is not supported: verispec returns one choice per request (n=1)")
-        if self.logprobs not in (None, False, 0):
-            return Refusal("logprobs", "logprobs are not supported by verispec")
-        if self.top_logprobs:
-            return Refusal("top_logprobs", "logprobs are not supported by verispec")
         for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
             if getattr(self, name):
                 return Refusal(name, "presence_penalty, frequency_penalty and logit_bias are not supported by verispec")
@@ -144,12 +151,21 @@ class SamplingRequest(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """How many top logprobs each emitted token comes with (0: its own only); None: no
+        logprobs."""
+        return None
+
 
 class CompletionRequest(SamplingRequest):
     prompt: NonEmptyText | Annotated[list[NonNegativeInt], Field(min_length=1)]
     echo: bool = Field(default=False, json_schema_extra={"const": False})
     suffix: Text | None = Field(default=None, json_schema_extra={"maxLength": 0})
     best_of: Int | None = Field(default=None, json_schema_extra={"enum": [1, None]})
+    logprobs: TopLogprobs | None = None  # the number of top logprobs per token (the emitted one comes too)
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def refused(self) -> Refusal | None:
         for name in ("echo", "suffix"):
@@ -179,11 +195,23 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = False
+    top_logprobs: TopLogprobs | None = None  # needs logprobs true
+
+    def refused(self) -> Refusal | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            return Refusal("top_logprobs", "top_logprobs is only allowed when logprobs is true")
+        return super().refused()
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ---- responses: they document the bodies the app builds (as dicts) in the OpenAPI document ----
@@ -219,10 +247,21 @@ class SpeculativeStats(BaseModel):
     mean_acceptance_length: float | None
 
 
+class CompletionLogprobs(BaseModel):
+    """One entry per generated token (the stop token included, as ``completion_tokens`` counts
+    it); ``top_logprobs`` maps the top tokens' text (and the emitted token's) to their logprob,
+    ``text_offset`` is where each token's text starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: str | None
 
 
@@ -243,6 +282,20 @@ class CompletionChunk(CompletionResponse):
     speculative_stats: SpeculativeStats | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's text as UTF-8
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str
@@ -251,7 +304,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: str | None
 
 
@@ -273,7 +326,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: str | None
 
 

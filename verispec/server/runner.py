@@ -17,7 +17,8 @@ One loop iteration::
         its slot is freed at once)
     admit waiting requests while a slot is free (prefill each; its first text is delivered)
     engine.step()            one target forward for every running sequence
-    deliver new text; deliver a final event to each finished or failed sequence
+    deliver new text (and new tokens' logprobs); deliver a final event to each finished or
+        failed sequence
 
 The loop sleeps on a condition variable when nothing waits or runs (so no deadline can pass).
 
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 
 from verispec.config import SamplingParams
 from verispec.engine.engine import Engine
+from verispec.logprobs import TokenLogprob
 from verispec.sequence import Sequence
 from verispec.server.metrics import EMPTY_SNAPSHOT, ServerMetrics, SpecSnapshot
 
@@ -73,10 +75,13 @@ class EngineDead(Exception):
 
 @dataclass(frozen=True)
 class Event:
-    """What the engine thread tells one request: new text, and at the end the sequence or an
-    error. ``status`` is the HTTP status an error maps to; ``reason`` its metrics label."""
+    """What the engine thread tells one request: new text (and, when the request asked for
+    them, the logprobs of the tokens committed since the last event), and at the end the
+    sequence or an error. ``status`` is the HTTP status an error maps to; ``reason`` its metrics
+    label."""
 
     text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
     final: Sequence | None = None  # set on the last event of a completed request
     error: str | None = None  # set on the last event of a failed or aborted request
     status: int = 500
@@ -312,14 +317,15 @@ class EngineRunner:
     def _report(self, seq: Sequence, r: Request, text: str, new_tokens: int) -> None:
         self.metrics.generation_tokens.inc(new_tokens)
         r.exported = self.metrics.observe_spec(seq.metrics, r.exported)
+        logprobs = tuple(seq.output_logprobs[len(seq.output_logprobs) - new_tokens:]) if seq.output_logprobs else ()
         if not seq.finished:
-            if text:
-                r.deliver(Event(text=text))
+            if text or logprobs:
+                r.deliver(Event(text=text, logprobs=logprobs))
             return
         if seq.finish_reason == "error":
             self._finish(seq, r, Event(text=text, error=f"internal engine error: {seq.error}"))
             return
-        self._finish(seq, r, Event(text=text, final=seq))
+        self._finish(seq, r, Event(text=text, logprobs=logprobs, final=seq))
 
     def _finish(self, seq: Sequence, r: Request, event: Event) -> None:
         """A running request's final event (its sequence has left the engine's batch)."""
