@@ -123,3 +123,17 @@ def test_a_load_without_the_light_files_goes_through_transformers(tmp_path) -> N
     assert heavy._light is None and light._light is not None
     assert heavy.eos_token_ids == light.eos_token_ids
     assert heavy.apply_chat_template(CONVERSATIONS[1]) == light.apply_chat_template(CONVERSATIONS[1])
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct"])
+@pytest.mark.parametrize("light", [True, False], ids=["light", "transformers"])
+def test_token_bytes_spell_the_text_even_inside_a_character(name: str, light: bool) -> None:
+    """Logprobs give each token's bytes; a character split over tokens is in their bytes whole."""
+    if not is_fetched(name):
+        pytest.skip(f"{name} is not fetched")
+    tok = Tokenizer.from_pretrained(gguf_metadata(bundled_path(name), progress=False))
+    if not light:
+        tok = Tokenizer(tok.hf, tok.eos_token_ids)
+    for text in ("héllo → 日本語のテキスト 🙂👍🏽", "def f(x):\n    return x * 2"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8"), text

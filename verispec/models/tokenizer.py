@@ -26,6 +26,7 @@ tokenizer in its default state, no clean-up of decoded spaces) is stored that wa
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -201,6 +202,26 @@ class Tokenizer:
             return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for: its text as UTF-8 or, for a piece of a
+        multi-byte character (whose text alone is U+FFFD), the bytes the vocabulary spells: in
+        byte-level BPE's printable byte alphabet (GPT-2, Qwen, SmolLM) or as a SentencePiece
+        byte token (``<0xE2>``)."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = (self._backend.id_to_token(token_id) if self._backend is not None
+                 else self.hf.convert_ids_to_tokens(token_id)) or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        alphabet = _byte_level_alphabet()
+        if piece and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        return text.encode("utf-8")
+
     # -- vocabulary ---------------------------------------------------------------------------
 
     @property
@@ -230,6 +251,15 @@ class Tokenizer:
             f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, "
             f"eos_token_ids={sorted(self.eos_token_ids)}, chat_template={self.has_chat_template})"
         )
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's ``bytes_to_unicode``), inverted:
+    printable Latin-1 bytes stand for themselves, the other bytes for code points from 256 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
 
 
 def _plain_backend(hf: PreTrainedTokenizerBase) -> Any:

@@ -526,7 +526,8 @@ class _Reply:
 
     ``top_logprobs`` is how many top logprobs each token comes with (None: the request asked for
     no logprobs, and every ``logprobs`` is null). A token's text is its own decoding, special
-    tokens included; ``text_offset`` counts those texts from the start of the completion."""
+    tokens included (a piece of a multi-byte character reads U+FFFD; its ``bytes`` are the real
+    ones); ``text_offset`` counts those texts from the start of the completion."""
 
     def __init__(self, model: str, chat: bool, prompt_tokens: int, tokenizer, top_logprobs: int | None) -> None:
         self.model, self.chat, self.prompt_tokens = model, chat, prompt_tokens
@@ -579,8 +580,8 @@ class _Reply:
                 "text_offset": offsets}
 
     def _token(self, token_id: int, logprob: float) -> dict:
-        text = self._text(token_id)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+        return {"token": self._text(token_id), "logprob": _finite(logprob),
+                "bytes": list(self.tokenizer.token_bytes(token_id))}
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
