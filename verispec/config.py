@@ -34,6 +34,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: frozenset[int] = frozenset()  # end the sequence like EOS does, even with ignore_eos
     seed: int | None = None
     # Return each emitted token's logprob and this many most likely tokens at its position
     # (0: the emitted token's only); None computes none. See :mod:`verispec.logprobs`.
@@ -57,6 +58,9 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (int64), got {self.seed}")
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (>= 0), got {sorted(self.stop_token_ids)}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
 

@@ -79,8 +79,8 @@ class Sequence:
         """Commit tokens one at a time until a stop condition fires.
 
         Returns the tokens actually committed (a prefix of ``tokens``) and the new text that is
-        safe to emit. EOS ends the sequence (the EOS id is kept in ``output_ids`` but produces
-        no text); a stop string ends it with the text cut before the stop string; reaching
+        safe to emit. EOS (unless ``ignore_eos``) and a stop token id end the sequence (the id is
+        kept in ``output_ids`` but produces no text); a stop string ends it with the text cut before the stop string; reaching
         ``max_tokens`` ends it with reason "length".
         """
         committed: list[int] = []
@@ -88,7 +88,7 @@ class Sequence:
         for tok in tokens:
             committed.append(tok)
             self.output_ids.append(tok)
-            if tok in self.eos_token_ids and not self.params.ignore_eos:
+            if (tok in self.eos_token_ids and not self.params.ignore_eos) or tok in self.params.stop_token_ids:
                 self.finish_reason = "stop"
             elif self.detokenizer is not None:
                 piece, stopped = self.stop_checker.feed(self.detokenizer.push(tok))

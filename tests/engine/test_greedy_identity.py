@@ -96,3 +96,17 @@ def test_full_context_ends_with_length(target, draft):
         seq = engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=100))
         assert seq.finish_reason == "length"
         assert len(PROMPT) + len(seq.output_ids) == 24 + 1  # the last token needs no cache entry
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+def test_stop_token_id_inside_accepted_run_stops_there_even_with_ignore_eos(target, draft, kind):
+    free = run(target, PROMPT, SamplingParams(temperature=0.0, max_tokens=60)).output_ids
+    stop = free[20]
+    cut = free.index(stop) + 1
+    params = SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=frozenset([stop]), ignore_eos=True)
+    plain = run(target, PROMPT, params, eos=free[5])
+    spec = run(target, PROMPT, params, make_drafter(kind, draft), 5, eos=free[5])
+    assert plain.output_ids == free[:cut]  # ignore_eos passes the EOS at index 5; the stop id ends it
+    assert spec.output_ids == plain.output_ids
+    assert spec.text == plain.text
+    assert spec.finish_reason == plain.finish_reason == "stop"

@@ -9,7 +9,7 @@ import logging
 import openai
 import pytest
 
-from liveserver import API_KEY, K, MAX_MODEL_LEN
+from liveserver import API_KEY, CHARS, K, MAX_MODEL_LEN, SPECIALS
 
 GREEDY = {"temperature": 0.0}
 
@@ -324,3 +324,34 @@ def test_health_and_metrics_need_no_key(server, client):
     assert values['verispec:inter_token_latency_seconds_count'] > 0
     assert "verispec:num_requests_waiting" in values and "verispec:num_requests_running" in values
     assert any(n.startswith("verispec:request_success_total") for n in values)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_include_usage_sends_usage_in_a_last_chunk_without_choices(client, kind):
+    args = dict(model="tiny", max_tokens=5, stream=True, stream_options={"include_usage": True}, **GREEDY)
+    if kind == "chat":
+        chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "usage"}], **args))
+    else:
+        chunks = list(client.completions.create(prompt="usage", **args))
+    *content, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 5
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 5
+    assert all(c.usage is None for c in content)  # usage comes once, as OpenAI sends it
+    assert content[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_token_ids_end_the_completion_without_their_text(client):
+    args = dict(model="tiny", prompt="stop token", max_tokens=16, **GREEDY)
+    free = client.completions.create(**args).choices[0].text
+    char = free[6]
+    token = len(SPECIALS) + CHARS.index(char)  # the tiny server's tokenizer: one id per character
+    r = client.completions.create(**args, extra_body={"stop_token_ids": [token], "ignore_eos": True})
+    assert r.choices[0].text == free[: free.index(char)]
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == free.index(char) + 1  # the stop token is counted
+
+
+def test_max_completion_tokens_bounds_a_chat_answer(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "bounded"}],
+                                       max_completion_tokens=3, **GREEDY)
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"

@@ -416,7 +416,9 @@ class _Service:
             raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineDead as e:
             raise APIError(503, str(e), "service_unavailable", "engine_dead") from None
-        reply = _Reply(self.model_name, chat, len(prompt_ids), self.engine.target.tokenizer, params.logprobs)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        reply = _Reply(self.model_name, chat, len(prompt_ids), self.engine.target.tokenizer, params.logprobs,
+                       include_usage)
         if body.stream:
             return StreamingResponse(self._stream(request, queue, reply), media_type="text/event-stream")
         return await self._collect(request, queue, reply, http)
@@ -442,7 +444,8 @@ class _Service:
         try:
             return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                   min_p=body.min_p, max_tokens=max_tokens, stop=body.stop_strings(),
-                                  ignore_eos=body.ignore_eos, seed=body.seed, logprobs=body.requested_logprobs())
+                                  ignore_eos=body.ignore_eos, stop_token_ids=frozenset(body.stop_token_ids or ()),
+                                  seed=body.seed, logprobs=body.requested_logprobs())
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -504,6 +507,8 @@ class _Service:
                                           _ERROR_TYPES.get(event.status, "server_error")))
                 elif event.text or event.logprobs or event.final is not None:
                     yield _sse(reply.chunk(event.text, event.final, event.logprobs))
+                    if event.final is not None and reply.include_usage:
+                        yield _sse(reply.usage_chunk(event.final))
             yield "data: [DONE]\n\n"
         finally:
             if not done:  # the client went away (the generator was cancelled or closed)
@@ -527,19 +532,26 @@ class _Reply:
     ``top_logprobs`` is how many top logprobs each token comes with (None: the request asked for
     no logprobs, and every ``logprobs`` is null). A token's text is its own decoding, special
     tokens included (a piece of a multi-byte character reads U+FFFD; its ``bytes`` are the real
-    ones); ``text_offset`` counts those texts from the start of the completion."""
+    ones); ``text_offset`` counts those texts from the start of the completion.
 
-    def __init__(self, model: str, chat: bool, prompt_tokens: int, tokenizer, top_logprobs: int | None) -> None:
+    A stream's last chunk carries ``usage``; with ``include_usage`` (``stream_options``) it goes
+    instead in a chunk of its own after it, with no choices, as OpenAI sends it."""
+
+    def __init__(self, model: str, chat: bool, prompt_tokens: int, tokenizer, top_logprobs: int | None,
+                 include_usage: bool = False) -> None:
         self.model, self.chat, self.prompt_tokens = model, chat, prompt_tokens
-        self.tokenizer, self.top_logprobs = tokenizer, top_logprobs
+        self.tokenizer, self.top_logprobs, self.include_usage = tokenizer, top_logprobs, include_usage
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.text_offset = 0  # completions: where the next token's text starts
 
-    def _envelope(self, kind: str, choice: dict, seq: Sequence | None) -> dict:
-        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+    def _envelope(self, kind: str, choice: dict | None, seq: Sequence | None, usage: bool = True) -> dict:
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": [] if choice is None else [choice]}
         if seq is not None:
-            body["usage"] = protocol.usage(self.prompt_tokens, len(seq.output_ids), seq.metrics.cached_prompt_tokens)
+            if usage:
+                body["usage"] = protocol.usage(self.prompt_tokens, len(seq.output_ids),
+                                               seq.metrics.cached_prompt_tokens)
             body["speculative_stats"] = protocol.speculative_stats(seq.metrics)
         return body
 
@@ -557,10 +569,16 @@ class _Reply:
             content = delta if isinstance(delta, dict) else {"content": delta}
             choice = {"index": 0, "delta": content, "logprobs": self._logprobs(logprobs) if logprobs else None,
                       "finish_reason": finish}
-            return self._envelope("chat.completion.chunk", choice, seq)
+            return self._envelope("chat.completion.chunk", choice, seq, usage=not self.include_usage)
         choice = {"index": 0, "text": delta, "logprobs": self._logprobs(logprobs) if logprobs else None,
                   "finish_reason": finish}
-        return self._envelope("text_completion", choice, seq)
+        return self._envelope("text_completion", choice, seq, usage=not self.include_usage)
+
+    def usage_chunk(self, seq: Sequence) -> dict:
+        """The chunk after the last one when ``include_usage`` is set: usage, no choices."""
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", None, seq)
+        del body["speculative_stats"]  # the last chunk with a choice has them
+        return body
 
     def _logprobs(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict | None:
         """The ``logprobs`` of a choice (or chunk) holding ``entries``, in OpenAI's shape."""

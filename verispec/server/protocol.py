@@ -22,6 +22,10 @@ is a clear 400 (:meth:`SamplingRequest.refused`), never silently ignored. So is 
 at the top level or inside a chat message, and ``stream_options`` without ``stream: true`` (as
 OpenAI answers). Each such 400 names the field in the error's ``param``.
 
+vLLM's extras: ``top_k``, ``min_p``, ``ignore_eos`` and ``stop_token_ids`` (a listed id ends the
+completion as EOS does, even with ``ignore_eos``; it is counted in ``completion_tokens`` and gives
+no text).
+
 verispec extras:
 
 * request ``speculative``: ``{"enabled": false}`` turns drafting off for this request;
@@ -124,6 +128,7 @@ class SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[NonNegativeInt] | None = None  # vLLM's: end like EOS, even with ignore_eos
     speculative: SpeculativeOptions | None = None
     # Accepted only at their neutral value (`refused`); the schema says which.
     n: Int | None = Field(default=1, json_schema_extra={"enum": [1, None]})  # null means 1, as in OpenAI's API
