@@ -58,6 +58,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from verispec.config import MAX_REQUEST_BYTES, SamplingParams
 from verispec.engine.engine import Engine
 from verispec.logprobs import TokenLogprob
+from verispec.models.tokenizer import Tokenizer
 from verispec.sequence import Sequence
 from verispec.server import protocol
 from verispec.server.metrics import ServerMetrics
@@ -537,7 +538,7 @@ class _Reply:
     A stream's last chunk carries ``usage``; with ``include_usage`` (``stream_options``) it goes
     instead in a chunk of its own after it, with no choices, as OpenAI sends it."""
 
-    def __init__(self, model: str, chat: bool, prompt_tokens: int, tokenizer, top_logprobs: int | None,
+    def __init__(self, model: str, chat: bool, prompt_tokens: int, tokenizer: Tokenizer, top_logprobs: int | None,
                  include_usage: bool = False) -> None:
         self.model, self.chat, self.prompt_tokens = model, chat, prompt_tokens
         self.tokenizer, self.top_logprobs, self.include_usage = tokenizer, top_logprobs, include_usage
