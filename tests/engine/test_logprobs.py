@@ -1,5 +1,5 @@
 """Logprobs are the target's raw log-softmax at each emitted position, whatever drafted it:
-speculation (a draft model, n-gram lookup, suffix trees) returns the same floats as plain
+speculation (a draft model, a draft model's tree, n-gram lookup, suffix decoding) returns the same floats as plain
 decoding, bit for bit, and they equal a log-softmax of the target's logits computed directly."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.engine.engine import Engine
 from verispec.logprobs import token_logprobs
 from verispec.speculative.draft_model import DraftModelDrafter
+from verispec.speculative.draft_tree import TreeDraftModelDrafter
 from verispec.speculative.ngram import NgramDrafter
 
 from tiny import bigram, loaded, tiny_model
@@ -19,7 +20,7 @@ PROMPT = [3, 7, 9, 11, 3, 7, 9, 11, 5, 3, 7, 9, 2, 8, 3, 7]
 TOP = 5
 
 
-KINDS = ["draft_model", "ngram", "suffix"]
+KINDS = ["draft_model", "draft_tree", "ngram", "suffix"]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,13 @@ def run(target_model, params, kind=None, draft_model=None, k=4):
         engine.generate(PROMPT, params)
         return engine.generate(PROMPT, params)
     spec = SpeculativeConfig(method="given", num_speculative_tokens=k, adaptive=False)
-    drafter = NgramDrafter(1, 3) if kind == "ngram" else DraftModelDrafter(
-        loaded(draft_model), draft_model.config.vocab_size, 512)
+    if kind == "ngram":
+        drafter = NgramDrafter(1, 3)
+    elif kind == "draft_tree":  # verified with a tree mask; the accepted path's rows give the logprobs
+        drafter = TreeDraftModelDrafter(loaded(draft_model), draft_model.config.vocab_size, 512, topk=2, budget=8,
+                                        depth=k)
+    else:
+        drafter = DraftModelDrafter(loaded(draft_model), draft_model.config.vocab_size, 512)
     return Engine(loaded(target_model), spec, max_model_len=512, drafter=drafter).generate(PROMPT, params)
 
 
@@ -109,3 +115,20 @@ def test_stop_inside_accepted_run_keeps_one_logprob_per_token(target, draft):
     assert len(spec.output_logprobs) == len(spec.output_ids)
     assert floats(spec) == floats(plain)
     assert all(t.top == () for t in spec.output_logprobs)
+
+
+def test_a_batch_gives_each_request_its_own_logprobs(target, draft):
+    """Rows verified in one padded pass with another request's rows give the floats they give
+    alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, logprobs=TOP)
+    other = [5, 1, 4, 1, 5, 9, 2, 6]
+    alone = run(target, params, "draft_model", draft)
+    spec = SpeculativeConfig(method="given", num_speculative_tokens=4, adaptive=False)
+    drafter = DraftModelDrafter(loaded(draft), draft.config.vocab_size, 512, num_slots=2)
+    engine = Engine(loaded(target), spec, max_model_len=512, drafter=drafter, max_num_seqs=2)
+    seq = engine.add_request(PROMPT, params)
+    engine.add_request(other, SamplingParams(temperature=0.0, max_tokens=30, logprobs=0))
+    while engine.running:
+        engine.step()
+    assert seq.output_ids == alone.output_ids
+    assert floats(seq) == floats(alone)
