@@ -81,11 +81,17 @@ static inline __m512i dpwssd_bcast(__m512i acc, __m512i w, const int32_t* p) {
 
 // Group I (0-3) of a Q2_K / Q3_K sub of 16 from its 64-byte crumb block v (bits 2I and up), with
 // Q3_K's third bit from the sub's high block h (group 4H + I of the block's 8, at that bit).
+// (The third bit is shifted to bit 2 and merged by one vpternlogd: low | (h' & 4).)
 template <int HB, int H, int I>
 static inline __m512i crumb_group(__m512i v, __m512i h) {
-  __m512i w = _mm512_and_si512(I ? _mm512_srli_epi16(v, 2 * I) : v, _mm512_set1_epi8(3));
-  if constexpr (HB > 0) w = _mm512_or_si512(w, high_bits<HB, 4 * H + I, 2>(h));
-  return w;
+  const __m512i w = _mm512_and_si512(I ? _mm512_srli_epi16(v, 2 * I) : v, _mm512_set1_epi8(3));
+  if constexpr (HB == 0) {
+    return w;
+  } else {
+    constexpr int sh = 2 - (4 * H + I);  // the bit's place in its byte, 4H + I, to 2
+    const __m512i hs = sh > 0 ? _mm512_slli_epi16(h, sh) : sh < 0 ? _mm512_srli_epi16(h, -sh) : h;
+    return _mm512_ternarylogic_epi32(w, hs, _mm512_set1_epi8(4), 0xf8);  // A | (B & C)
+  }
 }
 
 // Sub 2b + H of a Q2_K / Q3_K tile superblock against R rows: each row's exact int32 sum
@@ -95,7 +101,9 @@ template <int HB, int OFF, int R, int H>
 static inline __attribute__((always_inline)) void crumb_sub(const uint8_t* tile, const uint8_t* sc, const QActs& a,
                                                             int64_t s, int64_t blk, int64_t m0, int b,
                                                             const int8_t* xb, __m512i (&S)[R], PrefetchQueue& pq) {
-  constexpr int P = R == 1 ? 4 : R < 4 ? 2 : 1;  // partial chains, as in rows_block
+  // One dot-product chain per row: the 16 subs' chains are independent of each other, so their
+  // latency overlaps without rows_block's partial chains (whose adds cost as many instructions).
+  constexpr int P = 1;
   const int j = 2 * b + H;
   prefetch_step(pq);
   const __m128i scb = _mm_loadu_si128((const __m128i*)(sc + 16 * j));
