@@ -136,9 +136,13 @@ static inline __attribute__((always_inline)) void crumb_sub(const uint8_t* tile,
 // subs' sums times their integer scales and Q2_K's Mn = its mins times the subs' bsums (one
 // vpdpwssd on the pairs), then one fp32 step for each: acc = fma(d, (float)S * dx, acc),
 // acc = fma(-dmin, dx * (float)Mn, acc). Weights and scales are read straight from the tile.
-template <int HB, int OFF, bool FPOFF, int R>
+// Each block's S waits in a register through its second sub's sums, so with more than 4 rows the
+// accumulators stay in acc (YMEM; touched once per block), else in y: R rows then need 2 R
+// registers, and up to 12 rows run as one block, each weight group split once for all of them.
+template <int HB, int OFF, bool FPOFF, int R, bool YMEM>
 static inline __attribute__((always_inline)) void crumb_superblock(const uint8_t* tile, const QActs& a, int64_t s,
-                                                                   int64_t m0, __m512 (&y)[R], PrefetchQueue& pq) {
+                                                                   int64_t m0, __m512 (&y)[R], float* acc,
+                                                                   PrefetchQueue& pq) {
   const uint8_t* sc = tile + 1024 + 512 * HB;  // after the weights: 16 crumb blocks, Q3_K's 8 high blocks
   const uint16_t* d16 = (const uint16_t*)(sc + (FPOFF ? 512 : 256));
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)d16));
@@ -155,11 +159,14 @@ static inline __attribute__((always_inline)) void crumb_superblock(const uint8_t
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const float* dx = a.dx + blk * a.mp + m0 + r;
-      y[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(S[r]), _mm512_set1_ps(*dx)), y[r]);
+      __m512 yr = YMEM ? _mm512_loadu_ps(acc + (m0 + r) * kTile) : y[r];
+      yr = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(S[r]), _mm512_set1_ps(*dx)), yr);
       if constexpr (FPOFF) {
         const __m512i mins = dpwssd_bcast(_mm512_setzero_si512(), mn, a.bs2 + blk * a.mp + m0 + r);
-        y[r] = _mm512_fnmadd_ps(dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(mins), _mm512_set1_ps(*dx)), y[r]);
+        yr = _mm512_fnmadd_ps(dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(mins), _mm512_set1_ps(*dx)), yr);
       }
+      if constexpr (YMEM) _mm512_storeu_ps(acc + (m0 + r) * kTile, yr);
+      else y[r] = yr;
     }
   }
 }
@@ -172,6 +179,11 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
                        float* acc, int64_t m0, PrefetchQueue& pq) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4;
   __m512 y[R];
+  if constexpr (NIB == 2 && R > 4) {  // Q2_K, Q3_K with their accumulators in acc
+    for (int c = 0; c < count; ++c)
+      crumb_superblock<HB, OFF, FPOFF, R, true>(tile0 + (int64_t)c * f.tile_bytes(), a, s0 + c, m0, y, acc, pq);
+    return;
+  }
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) y[r] = _mm512_loadu_ps(acc + (m0 + r) * kTile);
   // count consecutive superblocks with the accumulators kept in registers (the 32-wide formats
@@ -180,7 +192,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
   const uint8_t* tile = tile0 + (int64_t)c * f.tile_bytes();
   const int64_t s = s0 + c;
   if constexpr (NIB == 2) {  // Q2_K, Q3_K
-    crumb_superblock<HB, OFF, FPOFF, R>(tile, a, s, m0, y, pq);
+    crumb_superblock<HB, OFF, FPOFF, R, false>(tile, a, s, m0, y, acc, pq);
     continue;
   }
   const int64_t b0 = s * (KB / kActBlock);
@@ -254,18 +266,6 @@ static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, c
   // row runs at its latency-bound cost, about 2.4 rows' worth in a block).
   PrefetchQueue& pq = thread_prefetch_queue();
   int64_t m = 0;
-  if constexpr (NIB == 2) {
-    // Q2_K, Q3_K hold a block's S across its second sub's sums (3 R registers): at most 8 rows
-    // per block, as even as possible (9 rows: 5 + 4)
-    while (a.m - m > 8) {
-      const int64_t left = a.m - m, r = (left + (left + 7) / 8 - 1) / ((left + 7) / 8);
-      if (r == 8) rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 8>(fmt, f, tile, count, a, s, acc, m, pq);
-      else if (r == 7) rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 7>(fmt, f, tile, count, a, s, acc, m, pq);
-      else if (r == 6) rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 6>(fmt, f, tile, count, a, s, acc, m, pq);
-      else rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 5>(fmt, f, tile, count, a, s, acc, m, pq);
-      m += r;
-    }
-  }
   for (; a.m - m > 12; m += 8) rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 8>(fmt, f, tile, count, a, s, acc, m, pq);
   switch (a.m - m) {
 #define VERISPEC_ROWS(R) \
