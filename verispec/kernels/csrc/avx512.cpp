@@ -72,8 +72,8 @@ static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
   return acc;
 }
 
-// 4 int16 products summed in pairs into each int32 lane, with the pair at p (two int16) repeated in
-// every lane, folded into the instruction as dpbusd_bcast's.
+// acc + in each int32 lane, its two int16 of w times the two int16 at p (the pair repeated in every
+// lane, the broadcast folded into the instruction as dpbusd_bcast's).
 static inline __m512i dpwssd_bcast(__m512i acc, __m512i w, const int32_t* p) {
   __asm__("vpdpwssd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*p), "v"(w));
   return acc;
@@ -101,9 +101,6 @@ template <int HB, int OFF, int R, int H>
 static inline __attribute__((always_inline)) void crumb_sub(const uint8_t* tile, const uint8_t* sc, const QActs& a,
                                                             int64_t s, int64_t blk, int64_t m0, int b,
                                                             const int8_t* xb, __m512i (&S)[R], PrefetchQueue& pq) {
-  // One dot-product chain per row: the 16 subs' chains are independent of each other, so their
-  // latency overlaps without rows_block's partial chains (whose adds cost as many instructions).
-  constexpr int P = 1;
   const int j = 2 * b + H;
   prefetch_step(pq);
   const __m128i scb = _mm_loadu_si128((const __m128i*)(sc + 16 * j));
@@ -112,22 +109,22 @@ static inline __attribute__((always_inline)) void crumb_sub(const uint8_t* tile,
   const __m512i h = HB ? _mm512_loadu_si512(tile + 1024 + 64 * b) : v;
   const __m512i w[4] = {crumb_group<HB, H, 0>(v, h), crumb_group<HB, H, 1>(v, h), crumb_group<HB, H, 2>(v, h),
                         crumb_group<HB, H, 3>(v, h)};
-  __m512i part[P][R];
+  // One dot-product chain per row, without rows_block's partial chains: the 16 subs' chains are
+  // independent of each other, so their latency overlaps anyway, and the partial chains' adds
+  // cost as many instructions as the dot products.
+  __m512i isum[R];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
-    if constexpr (OFF != 0) part[0][r] = _mm512_set1_epi32(a.offset_term<OFF, 16>(s * 16 + j, m0 + r));
-    else part[0][r] = _mm512_setzero_si512();
-    for (int p = 1; p < P; ++p) part[p][r] = _mm512_setzero_si512();
+    if constexpr (OFF != 0) isum[r] = _mm512_set1_epi32(a.offset_term<OFF, 16>(s * 16 + j, m0 + r));
+    else isum[r] = _mm512_setzero_si512();
   }
 #pragma GCC unroll 4
   for (int g = 0; g < 4; ++g)
 #pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) part[g % P][r] = dpbusd_bcast(part[g % P][r], w[g], xb + kActBlock * r + 16 * H + 4 * g);
+    for (int r = 0; r < R; ++r) isum[r] = dpbusd_bcast(isum[r], w[g], xb + kActBlock * r + 16 * H + 4 * g);
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
-    __m512i isum = part[0][r];
-    for (int p = 1; p < P; ++p) isum = _mm512_add_epi32(isum, part[p][r]);
-    const __m512i t = _mm512_mullo_epi32(isum, scj);
+    const __m512i t = _mm512_mullo_epi32(isum[r], scj);
     S[r] = H ? _mm512_add_epi32(S[r], t) : t;
   }
 }
