@@ -72,6 +72,102 @@ static inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
   return acc;
 }
 
+// acc + in each int32 lane, its two int16 of w times the two int16 at p (the pair repeated in every
+// lane, the broadcast folded into the instruction as dpbusd_bcast's).
+static inline __m512i dpwssd_bcast(__m512i acc, __m512i w, const int32_t* p) {
+  __asm__("vpdpwssd %1%{1to16%}, %2, %0" : "+v"(acc) : "m"(*p), "v"(w));
+  return acc;
+}
+
+// Group I (0-3) of a Q2_K / Q3_K sub of 16 from its 64-byte crumb block v (bits 2I and up), with
+// Q3_K's third bit from the sub's high block h (group 4H + I of the block's 8, at that bit).
+// (The third bit is shifted to bit 2 and merged by one vpternlogd: low | (h' & 4).)
+template <int HB, int H, int I>
+static inline __m512i crumb_group(__m512i v, __m512i h) {
+  const __m512i w = _mm512_and_si512(I ? _mm512_srli_epi16(v, 2 * I) : v, _mm512_set1_epi8(3));
+  if constexpr (HB == 0) {
+    return w;
+  } else {
+    constexpr int sh = 2 - (4 * H + I);  // the bit's place in its byte, 4H + I, to 2
+    const __m512i hs = sh > 0 ? _mm512_slli_epi16(h, sh) : sh < 0 ? _mm512_srli_epi16(h, -sh) : h;
+    return _mm512_ternarylogic_epi32(w, hs, _mm512_set1_epi8(4), 0xf8);  // A | (B & C)
+  }
+}
+
+// Sub 2b + H of a Q2_K / Q3_K tile superblock against R rows: each row's exact int32 sum
+// (Q3_K's starting from its offset's term) times the sub's integer scales, added into S (H = 1) or
+// stored there (H = 0). xb: the activation block's row 0.
+template <int HB, int OFF, int R, int H>
+static inline __attribute__((always_inline)) void crumb_sub(const uint8_t* tile, const uint8_t* sc, const QActs& a,
+                                                            int64_t s, int64_t blk, int64_t m0, int b,
+                                                            const int8_t* xb, __m512i (&S)[R], PrefetchQueue& pq) {
+  const int j = 2 * b + H;
+  prefetch_step(pq);
+  const __m128i scb = _mm_loadu_si128((const __m128i*)(sc + 16 * j));
+  const __m512i scj = HB ? _mm512_cvtepi8_epi32(scb) : _mm512_cvtepu8_epi32(scb);
+  const __m512i v = _mm512_loadu_si512(tile + 64 * j);
+  const __m512i h = HB ? _mm512_loadu_si512(tile + 1024 + 64 * b) : v;
+  const __m512i w[4] = {crumb_group<HB, H, 0>(v, h), crumb_group<HB, H, 1>(v, h), crumb_group<HB, H, 2>(v, h),
+                        crumb_group<HB, H, 3>(v, h)};
+  // One dot-product chain per row, without rows_block's partial chains: the 16 subs' chains are
+  // independent of each other, so their latency overlaps anyway, and the partial chains' adds
+  // cost as many instructions as the dot products.
+  __m512i isum[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    if constexpr (OFF != 0) isum[r] = _mm512_set1_epi32(a.offset_term<OFF, 16>(s * 16 + j, m0 + r));
+    else isum[r] = _mm512_setzero_si512();
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g)
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) isum[r] = dpbusd_bcast(isum[r], w[g], xb + kActBlock * r + 16 * H + 4 * g);
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) {
+    const __m512i t = _mm512_mullo_epi32(isum[r], scj);
+    S[r] = H ? _mm512_add_epi32(S[r], t) : t;
+  }
+}
+
+// Q2_K and Q3_K (int_scaled, qgemm.h): per activation block (two subs of 16) and row, S = the
+// subs' sums times their integer scales and Q2_K's Mn = its mins times the subs' bsums (one
+// vpdpwssd on the pairs), then one fp32 step for each: acc = fma(d, (float)S * dx, acc),
+// acc = fma(-dmin, dx * (float)Mn, acc). Weights and scales are read straight from the tile.
+// Each block's S waits in a register through its second sub's sums, so with more than 4 rows the
+// accumulators stay in acc (YMEM; touched once per block), else in y: R rows then need 2 R
+// registers, and up to 12 rows run as one block, each weight group split once for all of them.
+template <int HB, int OFF, bool FPOFF, int R, bool YMEM>
+static inline __attribute__((always_inline)) void crumb_superblock(const uint8_t* tile, const QActs& a, int64_t s,
+                                                                   int64_t m0, __m512 (&y)[R], float* acc,
+                                                                   PrefetchQueue& pq) {
+  const uint8_t* sc = tile + 1024 + 512 * HB;  // after the weights: 16 crumb blocks, Q3_K's 8 high blocks
+  const uint16_t* d16 = (const uint16_t*)(sc + (FPOFF ? 512 : 256));
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)d16));
+  const __m512 dmin = FPOFF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d16 + 16))) : d;
+#pragma GCC unroll 8
+  for (int b = 0; b < 8; ++b) {
+    const int64_t blk = s * 8 + b;
+    const int8_t* xb = a.qb(blk, m0);  // row r at xb + 32 r
+    __m512i S[R];
+    crumb_sub<HB, OFF, R, 0>(tile, sc, a, s, blk, m0, b, xb, S, pq);
+    crumb_sub<HB, OFF, R, 1>(tile, sc, a, s, blk, m0, b, xb, S, pq);
+    const __m512i mn = FPOFF ? _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(sc + 256 + 32 * b)))
+                                : _mm512_setzero_si512();
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const float* dx = a.dx + blk * a.mp + m0 + r;
+      __m512 yr = YMEM ? _mm512_loadu_ps(acc + (m0 + r) * kTile) : y[r];
+      yr = _mm512_fmadd_ps(d, _mm512_mul_ps(_mm512_cvtepi32_ps(S[r]), _mm512_set1_ps(*dx)), yr);
+      if constexpr (FPOFF) {
+        const __m512i mins = dpwssd_bcast(_mm512_setzero_si512(), mn, a.bs2 + blk * a.mp + m0 + r);
+        yr = _mm512_fnmadd_ps(dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(mins), _mm512_set1_ps(*dx)), yr);
+      }
+      if constexpr (YMEM) _mm512_storeu_ps(acc + (m0 + r) * kTile, yr);
+      else y[r] = yr;
+    }
+  }
+}
+
 // R rows at once, reading the weights straight from the packed tile: each pair of groups is
 // loaded (and its nibbles split) once for the R rows, and the R independent dpbusd chains hide
 // the instruction's latency.
@@ -80,6 +176,11 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
                        float* acc, int64_t m0, PrefetchQueue& pq) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4;
   __m512 y[R];
+  if constexpr (NIB == 2 && R > 4) {  // Q2_K, Q3_K with their accumulators in acc
+    for (int c = 0; c < count; ++c)
+      crumb_superblock<HB, OFF, FPOFF, R, true>(tile0 + (int64_t)c * f.tile_bytes(), a, s0 + c, m0, y, acc, pq);
+    return;
+  }
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) y[r] = _mm512_loadu_ps(acc + (m0 + r) * kTile);
   // count consecutive superblocks with the accumulators kept in registers (the 32-wide formats
@@ -87,6 +188,10 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
   for (int c = 0; c < count; ++c) {
   const uint8_t* tile = tile0 + (int64_t)c * f.tile_bytes();
   const int64_t s = s0 + c;
+  if constexpr (NIB == 2) {  // Q2_K, Q3_K
+    crumb_superblock<HB, OFF, FPOFF, R, false>(tile, a, s, m0, y, acc, pq);
+    continue;
+  }
   const int64_t b0 = s * (KB / kActBlock);
   Unpacked u;  // the scales only: the weights are read from the tile
   unpack_scales(fmt, f, tile, &u);
@@ -143,10 +248,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
     for (int r = 0; r < R; ++r) {
       const __m512 dxj = _mm512_set1_ps(a.dx[blk * a.mp + m0 + r]);
       y[r] = _mm512_fmadd_ps(dl, _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r]), dxj), y[r]);
-      if (FPOFF) {
-        const float v = a.offset_factor<SUB>(s * (KB / 16) + j * (SUB / 16), m0 + r);
-        y[r] = _mm512_fnmadd_ps(_mm512_load_ps(u.ml[j]), _mm512_set1_ps(v), y[r]);
-      }
+      if (FPOFF) y[r] = _mm512_fnmadd_ps(_mm512_load_ps(u.ml[j]), _mm512_set1_ps(a.dxb[blk * a.mp + m0 + r]), y[r]);
     }
   }
   }

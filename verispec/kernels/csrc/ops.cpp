@@ -184,7 +184,7 @@ struct ActBuffers {
   std::vector<int8_t> q;
   std::vector<float> dx, dxb, in, inv;
   std::vector<int16_t> bs;
-  std::vector<int32_t> cen16, cen32, off16, off32, off128;
+  std::vector<int32_t> cen16, cen32, off16, off32, off128, bs2;
 };
 
 // QActs::cen16 and cen32 of one block of 32 q's: per 16 and per 32, the sums at k % 4 < 2 (low
@@ -224,6 +224,7 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
   buf.off16.resize((size_t)(k / 16 * mp));
   buf.off32.resize((size_t)(nb * mp));
   buf.off128.resize((size_t)(nb * mp));
+  buf.bs2.resize((size_t)(nb * mp));
   const float* xf;
   if (x.dtype() == torch::kBFloat16) {  // bf16 -> float32 is exact
     buf.in.resize((size_t)(m * kin));
@@ -266,6 +267,7 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
       buf.off16[(2 * b + 1) * mp + i] = -int_offset(Q6_K) * bs[1];
       buf.off32[b * mp + i] = -int_offset(Q5_0) * (bs[0] + bs[1]);
       buf.off128[b * mp + i] = -128 * (bs[0] + bs[1]);
+      buf.bs2[b * mp + i] = pack16(bs[1], bs[0]);
       centered_sums(pq + (b * mp + i) * kActBlock, &buf.cen16[2 * b * mp + i], &buf.cen16[(2 * b + 1) * mp + i],
                     &buf.cen32[b * mp + i]);
     }
@@ -273,7 +275,7 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
   if (mp > m)  // AMX's A tiles read the padding rows (their results are never used)
     for (int64_t b = 0; b < nb; ++b) std::memset(pq + (b * mp + m) * kActBlock, 0, (size_t)((mp - m) * kActBlock));
   return QActs{pq, buf.dx.data(), buf.bs.data(), buf.dxb.data(), m, k, mp, buf.cen16.data(), buf.cen32.data(),
-               buf.off16.data(), buf.off32.data(), buf.off128.data()};
+               buf.off16.data(), buf.off32.data(), buf.off128.data(), buf.bs2.data()};
 }
 
 // y = h @ W.T (+ bias) (+ residual) for W the packed parts stacked along the output dim:

@@ -13,6 +13,15 @@
 //   3. One fp32 accumulator per (m, n), updated sub by sub in k order:
 //        acc = fma(dl, (float)isum * dx, acc)
 //        acc = fma(-ml, dx * (float)bsum_j, acc)               (formats with an fp offset only)
+//      Q2_K and Q3_K (int_scaled) apply their integer sub scales sc in int32 instead, one fp32
+//      step per activation block of 32 (two subs j = 2i, 2i + 1), in k order:
+//        S  = sc_2i * isum_2i + sc_2i+1 * isum_2i+1
+//        Mn = mn_2i * bsum_2i + mn_2i+1 * bsum_2i+1             (Q2_K's mins only)
+//        acc = fma(d, (float)S * dx, acc)
+//        acc = fma(-dmin, dx * (float)Mn, acc)                  (Q2_K only)
+//      Bounds: Q2_K |isum| <= 16*3*127 = 6,096, sc, mn <= 15, so |S| <= 182,880 and
+//      |Mn| <= 2*15*2,032 = 60,960; Q3_K |isum| <= 16*4*127 = 8,128, |sc| <= 32, so
+//      |S| <= 520,192. All below 2^24: no overflow, and the int -> float conversions are exact.
 // Integer sums are exact whatever the instruction sequence, and the fp32 sequence per output is
 // fixed, so a row's result does not depend on M, on the thread count or on the ISA path. Threads
 // split the output columns only (in tiles of 16); the reduction over K is never split.
@@ -21,9 +30,10 @@
 // dequantization returns; superblock KB is the packing unit):
 //   Q4_K  KB 256, 8 subs of 32:  weight = (d*sc)*w - dmin*mn   dl = d*sc, ml = dmin*mn, o = 0
 //   Q5_K  KB 256, 8 subs of 32:  as Q4_K, w of 4+1 bits
-//   Q2_K  KB 256, 16 subs of 16: as Q4_K, w of 2 bits, 4-bit sc and mn
+//   Q2_K  KB 256, 16 subs of 16: weight = (d*sc)*w - dmin*mn   w of 2 bits, 4-bit sc and mn,
+//                                                              int_scaled (d, dmin, sc, mn as above)
 //   Q6_K  KB 256, 16 subs of 16: weight = (d*sc)*(w-32)        dl = d*sc, o = 32
-//   Q3_K  KB 256, 16 subs of 16: weight = (d*sc)*(w-4)         dl = d*sc (sc = 6-bit - 32), o = 4;
+//   Q3_K  KB 256, 16 subs of 16: weight = (d*sc)*(w-4)         int_scaled (sc = 6-bit - 32), o = 4;
 //                                w = 2 low bits | hmask bit << 2
 //   IQ4_XS KB 256, 8 subs of 32: weight = (d*sc)*w             dl = d*sc (sc = 6-bit - 32);
 //                                w = kvalues[nibble] (int8), the nibble stored
@@ -52,7 +62,9 @@
 //             Q2_K, Q3_K (2 and 2+1 bits): G/4 x [16 cols][4 k] bytes, block h holding groups
 //             4h..4h + 3 (one sub of 16), group g at bits 2 (g % 4) and up; then Q3_K's third
 //             bits as the high bits above (hb = 1: a block per 8 groups, two subs)
-//   scales    Q4_K, Q5_K: sc[8][16] u8, then mn[8][16] u8;  Q2_K: sc[16][16] u8, then mn[16][16] u8;
+//   scales    Q4_K, Q5_K: sc[8][16] u8, then mn[8][16] u8;  Q2_K: sc[16][16] u8, then mn[8][16][2]
+//             u8 (per activation block, each column's two mins side by side: one vpmovzxbw makes
+//             the int16 pairs that vpdpwssd multiplies by the block's two bsums);
 //             Q6_K, Q3_K: sc[16][16] int8;  IQ4_XS: sc[8][16] int8;  others: none
 //   d         [16] fp16 (the file's own bits)
 //   dmin      Q4_K, Q5_K, Q2_K: dmin[16] fp16;  Q4_1, Q5_1: m[16] fp16;  others: none
@@ -142,6 +154,9 @@ struct QActs {
   // (w + 128, by flipping each byte's top bit) on the VNNI paths: sum (w + 128) q - 128 bsum =
   // sum w q.
   const int32_t* off128;
+  // [K / 32][mp]: each block's two sums of 16 as an int16 pair (the first in the low half), the
+  // operand that multiplies Q2_K's pairs of mins in one madd (vpdpwssd, vpmaddwd).
+  const int32_t* bs2;
 
   const int8_t* qb(int64_t blk, int64_t row) const { return q + (blk * mp + row) * 32; }
   // -OFF * bsum of the sub of SUB k starting at 16-block i, row m: off16 = -32 bs16 and
@@ -150,12 +165,6 @@ struct QActs {
   int32_t offset_term(int64_t i, int64_t m) const {
     static_assert(OFF > 0 && (SUB == 16 ? 32 % OFF : 16 % OFF) == 0, "an offset QActs' arrays divide into");
     return SUB == 16 ? off16[i * mp + m] / (32 / OFF) : off32[i / 2 * mp + m] / (16 / OFF);
-  }
-  // The fp offset's factor dx * (float)bsum of the sub of SUB k starting at 16-block i, row m:
-  // dxb for subs of 32, made here for subs of 16 (Q2_K), the same fp32 product as the scalar one.
-  template <int SUB>
-  float offset_factor(int64_t i, int64_t m) const {
-    return SUB == 32 ? dxb[i / 2 * mp + m] : dx[i / 2 * mp + m] * (float)bs[i * mp + m];
   }
   // The sum of q over sub j (of size sub) of superblock s (of size kb), row m.
   int32_t bsum(int64_t m, int64_t s, int kb, int j, int sub) const {
@@ -171,6 +180,10 @@ static inline int int_offset(int fmt) {
 static inline bool has_fp_offset(int fmt) {
   return fmt == Q4_K || fmt == Q5_K || fmt == Q2_K || fmt == Q4_1 || fmt == Q5_1;
 }
+// The formats whose integer sub scales are applied in int32, one fp32 step per activation block
+// (the contract's step 3 for Q2_K and Q3_K): the 2-bit ones, whose subs of 16 would otherwise
+// take 16 fp32 steps per superblock. In the SIMD loops' template arguments, NIB == 2.
+static inline bool int_scaled(int fmt) { return fmt == Q2_K || fmt == Q3_K; }
 // The formats the AMX path runs (amx.cpp); ops.cpp sends the others to the AVX512 path, which
 // gives the same bits by the contract.
 static inline bool amx_runs(int fmt) {

@@ -178,6 +178,11 @@ void decode_block(int fmt, const uint8_t* b, Decoded* out) {
 
 // Layout offsets inside one tile superblock.
 static const uint8_t* scales_of(const FormatInfo& f, const uint8_t* tile) { return tile + f.weight_bytes(); }
+// The byte of sub k's min, column c, from the scales: mn[nsub][16], or Q2_K's mn[8][16][2] (the two
+// subs of an activation block side by side).
+static int min_index(const FormatInfo& f, int k, int c) {
+  return f.nsub() * kTile + (f.crumbs ? k / 2 * 2 * kTile + 2 * c + k % 2 : k * kTile + c);
+}
 static const uint16_t* d_of(const FormatInfo& f, const uint8_t* tile) {
   return (const uint16_t*)(tile + f.weight_bytes() + f.scale_bytes());
 }
@@ -206,7 +211,7 @@ void write_tile(const FormatInfo& f, const Decoded* cols, uint8_t* tile) {
     for (int k = 0; k < f.nsub(); ++k)
       for (int c = 0; c < kTile; ++c) {
         s[k * kTile + c] = (uint8_t)cols[c].sc[k];
-        if (f.stores_dmin) s[(f.nsub() + k) * kTile + c] = (uint8_t)cols[c].mn[k];
+        if (f.stores_dmin) s[min_index(f, k, c)] = (uint8_t)cols[c].mn[k];
       }
   }
   uint16_t* d = (uint16_t*)(tile + f.weight_bytes() + f.scale_bytes());
@@ -230,7 +235,7 @@ static inline float ml_of(const FormatInfo& f, int fmt, const uint8_t* tile, int
   const uint16_t* d = d_of(f, tile);
   switch (fmt) {
     case Q4_K: case Q5_K: case Q2_K:
-      return fp16_to_float(d[kTile + c]) * (float)scales_of(f, tile)[(f.nsub() + k) * kTile + c];
+      return fp16_to_float(d[kTile + c]) * (float)scales_of(f, tile)[min_index(f, k, c)];
     case Q4_1: case Q5_1: return -fp16_to_float(d[kTile + c]);
     default: return 0.0f;
   }
@@ -255,20 +260,44 @@ static inline int32_t weight_at(const FormatInfo& f, const uint8_t* tile, int k,
   return f.signed_w ? (int32_t)(int8_t)b : (int32_t)b;
 }
 
+// The integer scale of sub k, column c: Q2_K's u8, Q3_K's int8.
+static inline int32_t int_scale_of(const FormatInfo& f, int fmt, const uint8_t* tile, int k, int c) {
+  const uint8_t b = scales_of(f, tile)[k * kTile + c];
+  return fmt == Q3_K ? (int32_t)(int8_t)b : (int32_t)b;
+}
+
 static void one_superblock_scalar(int fmt, const FormatInfo& f, const uint8_t* tile, const QActs& a, int64_t s,
                                   float* acc) {
   const int off = int_offset(fmt);
   const bool fp_off = has_fp_offset(fmt);
+  const int64_t b0 = s * (f.kb / kActBlock);  // the superblock's first activation block
   for (int64_t m = 0; m < a.m; ++m) {
-    const int64_t b0 = s * (f.kb / kActBlock);  // the superblock's first activation block
     for (int c = 0; c < kTile; ++c) {
       float& y = acc[m * kTile + c];
-      for (int j = 0; j < f.nsub(); ++j) {
-        const int32_t bsum = a.bsum(m, s, f.kb, j, f.sub);
+      // the exact int32 sum of sub j: sum w * q - off * bsum_j
+      auto isum_of = [&](int j) {
         int32_t isum = 0;
         for (int i = j * f.sub; i < (j + 1) * f.sub; ++i)
           isum += weight_at(f, tile, i, c) * (int32_t)a.qb(b0 + i / kActBlock, m)[i % kActBlock];
-        isum -= off * bsum;
+        return isum - off * a.bsum(m, s, f.kb, j, f.sub);
+      };
+      if (int_scaled(fmt)) {  // two subs of 16 per activation block, their scales applied in int32
+        const float d = fp16_to_float(d_of(f, tile)[c]);
+        for (int b = 0; b < f.kb / kActBlock; ++b) {
+          int32_t sum = 0, mins = 0;
+          for (int j = 2 * b; j < 2 * b + 2; ++j) {
+            sum += int_scale_of(f, fmt, tile, j, c) * isum_of(j);
+            if (fp_off) mins += (int32_t)scales_of(f, tile)[min_index(f, j, c)] * a.bsum(m, s, f.kb, j, f.sub);
+          }
+          const float dxb = a.dx[(b0 + b) * a.mp + m];
+          y = std::fmaf(d, (float)sum * dxb, y);
+          if (fp_off) y = std::fmaf(-fp16_to_float(d_of(f, tile)[kTile + c]), dxb * (float)mins, y);
+        }
+        continue;
+      }
+      for (int j = 0; j < f.nsub(); ++j) {
+        const int32_t bsum = a.bsum(m, s, f.kb, j, f.sub);
+        const int32_t isum = isum_of(j);
         const float dxj = a.dx[(b0 + j * f.sub / kActBlock) * a.mp + m];
         y = std::fmaf(dl_of(f, fmt, tile, j, c), (float)isum * dxj, y);
         if (fp_off) y = std::fmaf(-ml_of(f, fmt, tile, j, c), dxj * (float)bsum, y);

@@ -20,7 +20,7 @@ static inline void unpack_scales(int fmt, const FormatInfo& f, const uint8_t* ti
   const uint16_t* d16 = (const uint16_t*)(s + f.scale_bytes());
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)d16));
   switch (fmt) {
-    case Q4_K: case Q5_K: case Q2_K: {
+    case Q4_K: case Q5_K: {
       const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d16 + 16)));
       for (int j = 0; j < f.nsub(); ++j) {
         _mm512_store_ps(u->dl[j], _mm512_mul_ps(d, u8_as_float(s + 16 * j)));
@@ -28,7 +28,7 @@ static inline void unpack_scales(int fmt, const FormatInfo& f, const uint8_t* ti
       }
       return;
     }
-    case Q6_K: case Q3_K: case IQ4_XS:
+    case Q6_K: case IQ4_XS:
       for (int j = 0; j < f.nsub(); ++j) {
         const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(s + 16 * j)));
         _mm512_store_ps(u->dl[j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));

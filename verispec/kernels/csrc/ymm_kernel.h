@@ -38,7 +38,7 @@ static inline __attribute__((always_inline)) void unpack_scales(int fmt, const F
   for (int h = 0; h < 2; ++h) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 8 * h)));
     switch (fmt) {
-      case Q4_K: case Q5_K: case Q2_K: {
+      case Q4_K: case Q5_K: {
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 16 + 8 * h)));
         for (int j = 0; j < f.nsub(); ++j) {
           _mm256_store_ps(u->dl[j] + 8 * h, _mm256_mul_ps(d, u8_as_float(s + 16 * j + 8 * h)));
@@ -46,7 +46,7 @@ static inline __attribute__((always_inline)) void unpack_scales(int fmt, const F
         }
         break;
       }
-      case Q6_K: case Q3_K: case IQ4_XS:
+      case Q6_K: case IQ4_XS:
         for (int j = 0; j < f.nsub(); ++j) _mm256_store_ps(u->dl[j] + 8 * h, _mm256_mul_ps(d, i8_as_float(s + 16 * j + 8 * h)));
         break;
       case Q4_1: case Q5_1: {  // ml = -m by flipping the sign bit, as the scalar negation does
@@ -134,6 +134,54 @@ static inline const int32_t& centered_offset(const QActs& a, int64_t m, int64_t 
   return SUB == 16 ? a.cen16[i * a.mp + m] : a.cen32[i / 2 * a.mp + m];
 }
 
+// Q2_K and Q3_K (int_scaled, qgemm.h), after the int32 sums i0, i1 (columns 0-7, 8-15) of sub j of
+// a tile superblock: per row, S = the sums times the sub's integer scales, kept in block_sum after
+// a block's first sub; after its second, one fp32 step (and Q2_K's min step, its Mn the mins'
+// int16 pairs times the block's two bsums in one madd) on the row's accumulators in acc.
+template <int HB, bool FPOFF, int R>
+static inline __attribute__((always_inline)) void int_scaled_step(const uint8_t* tile, const QActs& a, int64_t blk,
+                                                                  int64_t m0, int j, const __m256i (&i0)[R],
+                                                                  const __m256i (&i1)[R], int32_t (&block_sum)[R][kTile],
+                                                                  float* acc) {
+  const uint8_t* sc = tile + 1024 + 512 * HB;  // after the weights: 16 crumb blocks, Q3_K's 8 high blocks
+  const __m128i scb = _mm_loadu_si128((const __m128i*)(sc + 16 * j));
+  const __m256i sc0 = HB ? _mm256_cvtepi8_epi32(scb) : _mm256_cvtepu8_epi32(scb);
+  const __m256i sc1 = HB ? _mm256_cvtepi8_epi32(_mm_srli_si128(scb, 8)) : _mm256_cvtepu8_epi32(_mm_srli_si128(scb, 8));
+  if (j % 2 == 0) {
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_si256((__m256i*)block_sum[r], _mm256_mullo_epi32(i0[r], sc0));
+      _mm256_store_si256((__m256i*)(block_sum[r] + 8), _mm256_mullo_epi32(i1[r], sc1));
+    }
+    return;
+  }
+  const uint16_t* d16 = (const uint16_t*)(sc + (FPOFF ? 512 : 256));
+  const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d16));
+  const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 8)));
+  const uint8_t* mn = sc + 256 + 16 * (j - 1);  // Q2_K: the block's [16 columns][2] mins
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m256i s0 = _mm256_add_epi32(_mm256_load_si256((const __m256i*)block_sum[r]), _mm256_mullo_epi32(i0[r], sc0));
+    const __m256i s1 =
+        _mm256_add_epi32(_mm256_load_si256((const __m256i*)(block_sum[r] + 8)), _mm256_mullo_epi32(i1[r], sc1));
+    float* y = acc + (m0 + r) * kTile;
+    const __m256 dxj = _mm256_set1_ps(a.dx[blk * a.mp + m0 + r]);
+    __m256 y0 = _mm256_fmadd_ps(d0, _mm256_mul_ps(_mm256_cvtepi32_ps(s0), dxj), _mm256_loadu_ps(y));
+    __m256 y1 = _mm256_fmadd_ps(d1, _mm256_mul_ps(_mm256_cvtepi32_ps(s1), dxj), _mm256_loadu_ps(y + 8));
+    if constexpr (FPOFF) {
+      const __m256i bs = _mm256_set1_epi32(a.bs2[blk * a.mp + m0 + r]);
+      const __m256 dmin0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 16)));
+      const __m256 dmin1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(d16 + 24)));
+      const __m256i mn0 = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)mn)), bs);
+      const __m256i mn1 = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(mn + 16))), bs);
+      y0 = _mm256_fnmadd_ps(dmin0, _mm256_mul_ps(_mm256_cvtepi32_ps(mn0), dxj), y0);
+      y1 = _mm256_fnmadd_ps(dmin1, _mm256_mul_ps(_mm256_cvtepi32_ps(mn1), dxj), y1);
+    }
+    _mm256_storeu_ps(y, y0);
+    _mm256_storeu_ps(y + 8, y1);
+  }
+}
+
 // R rows (R <= 4) against count consecutive tile superblocks. Each group's weights are made once
 // for the R rows (MADE: read from made, where make_weights put them for every block); the int32
 // sums of a sub stay in registers (2 R of them), the fp32 accumulators in acc. scales: the
@@ -153,9 +201,10 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
     const uint8_t* tile = tile0 + (int64_t)c * f.tile_bytes();
     const int64_t s = s0 + c;
     const int64_t b0 = s * (KB / kActBlock);
-    Unpacked own;  // the scales only
-    if (!scales) unpack_scales(fmt, f, tile, &own);
+    Unpacked own;  // the scales only (Q2_K's and Q3_K's are read in the loop)
+    if (NIB != 2 && !scales) unpack_scales(fmt, f, tile, &own);
     const Unpacked& u = scales ? *scales : own;
+    alignas(32) int32_t block_sum[R][kTile];  // Q2_K, Q3_K: a block's first sub's S, per row
     for (int j = 0; j < NSUB; ++j) {
       const int64_t blk = b0 + j * SUB / kActBlock;
       const int8_t* xj = a.qb(blk, m0) + j * SUB % kActBlock;  // row r at xj + 32 r
@@ -228,6 +277,10 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
           }
         }
       }
+      if constexpr (NIB == 2) {
+        int_scaled_step<HB, FPOFF, R>(tile, a, blk, m0, j, i0, i1, block_sum, acc);
+        continue;
+      }
       const __m256 dl0 = _mm256_load_ps(u.dl[j]), dl1 = _mm256_load_ps(u.dl[j] + 8);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
@@ -236,7 +289,7 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
         __m256 y0 = _mm256_fmadd_ps(dl0, _mm256_mul_ps(_mm256_cvtepi32_ps(i0[r]), dxj), _mm256_loadu_ps(y));
         __m256 y1 = _mm256_fmadd_ps(dl1, _mm256_mul_ps(_mm256_cvtepi32_ps(i1[r]), dxj), _mm256_loadu_ps(y + 8));
         if (FPOFF) {
-          const __m256 v = _mm256_set1_ps(a.offset_factor<SUB>(s * (KB / 16) + j * (SUB / 16), m0 + r));
+          const __m256 v = _mm256_set1_ps(a.dxb[blk * a.mp + m0 + r]);
           y0 = _mm256_fnmadd_ps(_mm256_load_ps(u.ml[j]), v, y0);
           y1 = _mm256_fnmadd_ps(_mm256_load_ps(u.ml[j] + 8), v, y1);
         }
@@ -301,7 +354,7 @@ static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, c
   PrefetchQueue& pq = thread_prefetch_queue();
   Unpacked u;
   const Unpacked* scales = nullptr;
-  if (KB == 256 && count == 1 && a.m > 4) {
+  if (KB == 256 && NIB != 2 && count == 1 && a.m > 4) {
     unpack_scales(fmt, f, tile, &u);
     scales = &u;
   }
