@@ -311,8 +311,8 @@ def _quant_size(ggml_type: int) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 
 
-# the metadata entry's format: 2 adds the tokenizer a load reads without transformers
-METADATA_VERSION = 2
+# the metadata entry's format: 3 adds the tokenizer a load reads without transformers
+METADATA_VERSION = 3
 
 
 def _cache_key(path: Path, kind: str) -> str:
@@ -722,6 +722,21 @@ class GGUFTensors(Mapping[str, Tensor]):
         if self._data is None:
             self._data = np.memmap(self.header.path, dtype=np.uint8, mode="r")
         return self._data
+
+    def release_pages(self, start: int = 0, length: int | None = None) -> None:
+        """Drop the file's pages in ``[start, start + length)`` (default: all) that reading
+        touched from this process's resident memory; they stay in the page cache, and a later
+        read maps them again. The first load of a file repacks every block: released tensor by
+        tensor, the file's bytes never add to the repacked copy's in resident memory."""
+        buf = getattr(self._data, "_mmap", None)
+        if buf is None or not hasattr(buf, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        end = len(buf) if length is None else min(len(buf), start + length)
+        start -= start % mmap.PAGESIZE
+        try:
+            buf.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):  # advice only
+            pass
 
     def __getitem__(self, hf_name: str) -> Tensor:
         info, shape = self._by_hf[hf_name]

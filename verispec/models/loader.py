@@ -271,6 +271,7 @@ def load_gguf(path: str | Path, *, device: torch.device, dtype: torch.dtype, nat
         model.load_hf_weights(tensors)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
+    tensors.release_pages()
     return LoadedModel(model=model, tokenizer=tokenizer, source=path, hf_config=hf_config,
                        name=name or path.stem)  # fmt: skip
 

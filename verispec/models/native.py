@@ -515,7 +515,9 @@ def install_gguf_layers_(model: nn.Module, tensors, *, keep_dense: bool | None =
         kind = info.name.split(".")[-2] if info.name.startswith("blk.") else ""
         if kind in tensors._permute:  # rows are whole blocks, so the raw rows permute like the weights
             raw = _unpermute_rotary(raw, tensors._permute[kind])
-        return kernels.repack(info.ggml_type, raw, n, k)
+        weight = kernels.repack(info.ggml_type, raw, n, k)
+        tensors.release_pages(info.offset, info.nbytes)
+        return weight
 
     def native(layer: nn.Linear, bases: list[str], head: bool = False) -> nn.Module:
         key = "+".join(getattr(tensors.info(b + ".weight"), "name", b) for b in bases)  # the GGUF names

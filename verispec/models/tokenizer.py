@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # importing transformers is slow; only the loader needs it at
 __all__ = ["END_OF_GENERATION_TEXTS", "LIGHT_FILE", "Tokenizer", "collect_eos_ids", "write_light_tokenizer"]
 
 LIGHT_FILE = "verispec_tokenizer.json"  # the facts of a light load (see the module docstring)
-_LIGHT_BACKEND = "verispec_tokenizer_backend.json"  # the Rust tokenizer as transformers holds it
+# the Rust tokenizer as transformers holds it, where that differs from the saved tokenizer.json
+_LIGHT_BACKEND = "verispec_tokenizer_backend.json"
 _LIGHT_VERSION = 1
 
 # Special-token texts that end a generation (chat end-of-turn and end-of-text markers).
@@ -109,7 +110,7 @@ class Tokenizer:
 
         tok = cls.__new__(cls)
         tok._hf, tok._light, tok._directory = None, facts, directory
-        tok._backend = RustTokenizer.from_file(str(directory / _LIGHT_BACKEND))
+        tok._backend = RustTokenizer.from_file(str(directory / facts.get("backend", _LIGHT_BACKEND)))
         ids = set(facts["eos_token_ids"])
         for value in config_eos:
             ids.update(_as_id_list(value))
@@ -129,7 +130,7 @@ class Tokenizer:
             hf_config = _read_json_if_present(directory / "config.json")
         generation = _read_json_if_present(directory / "generation_config.json")
         facts = _read_json_if_present(directory / LIGHT_FILE)
-        if facts.get("version") == _LIGHT_VERSION and (directory / _LIGHT_BACKEND).is_file():
+        if facts.get("version") == _LIGHT_VERSION and (directory / facts.get("backend", _LIGHT_BACKEND)).is_file():
             return cls._from_light(directory, facts, (hf_config.get("eos_token_id"), generation.get("eos_token_id")))
         from transformers import AutoTokenizer
 
@@ -293,9 +294,13 @@ def write_light_tokenizer(directory: Path) -> bool:
     specials = {k: str(v) for k, v in hf.special_tokens_map.items() if isinstance(v, str)}
     if len(specials) != len(hf.special_tokens_map):  # a list-valued entry: render through transformers
         return False
-    (directory / _LIGHT_BACKEND).write_text(backend.to_str(), encoding="utf-8")
+    text = backend.to_str()
+    saved = directory / "tokenizer.json"  # the same tokenizer as saved, where it is: no second copy
+    same = saved.is_file() and json.loads(saved.read_text(encoding="utf-8")) == json.loads(text)
+    if not same:
+        (directory / _LIGHT_BACKEND).write_text(text, encoding="utf-8")
     facts = {
-        "version": _LIGHT_VERSION, "eos_token_ids": sorted(collect_eos_ids(hf)), "bos_token_id": hf.bos_token_id,
+        "version": _LIGHT_VERSION, "backend": saved.name if same else _LIGHT_BACKEND, "eos_token_ids": sorted(collect_eos_ids(hf)), "bos_token_id": hf.bos_token_id,
         "pad_token_id": hf.pad_token_id, "size": len(hf), "chat_template": template or None,
         "special_tokens_map": specials, "name_or_path": str(getattr(hf, "name_or_path", "") or ""),
     }  # fmt: skip
