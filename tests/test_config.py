@@ -87,19 +87,22 @@ def test_adaptive_is_on_by_default_and_json_can_turn_it_off():
         SpeculativeConfig.from_dict({"method": "ngram", "adaptive": "no"})
 
 
+def _policy_seen(code: str, **extra: str) -> str:
+    """What ``code`` prints in a fresh interpreter whose environment has no wait policy or spin
+    count but ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                         check=True)
+    return out.stdout.strip()
+
+
 def test_importing_verispec_first_makes_openmp_threads_wait_passively():
     """verispec sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP, unless the user set the
     policy or a spin count (verispec/__init__.py says why)."""
     code = "import os, verispec, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "PASSIVE"
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "ACTIVE"
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "GOMP_SPINCOUNT": "1000"},
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "None"
+    assert _policy_seen(code) == "PASSIVE"
+    assert _policy_seen(code, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+    assert _policy_seen(code, GOMP_SPINCOUNT="1000") == "None"
 
 
 def test_programs_started_from_verispec_get_the_users_wait_policy():
@@ -107,9 +110,5 @@ def test_programs_started_from_verispec_get_the_users_wait_policy():
     the environment without it, and a policy the user set stays."""
     code = ("import verispec, torch; from verispec.runtime import foreign_env; "
             "print(foreign_env().get('OMP_WAIT_POLICY'))")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "None"
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "PASSIVE"},
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "PASSIVE"
+    assert _policy_seen(code) == "None"
+    assert _policy_seen(code, OMP_WAIT_POLICY="PASSIVE") == "PASSIVE"
