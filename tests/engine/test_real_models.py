@@ -77,3 +77,28 @@ def test_smollm2_second_turn_on_a_cached_prefix_equals_a_fresh_engine(smollm):
     fresh = Engine(smollm, max_model_len=MAX_MODEL_LEN).generate(ids, GREEDY)
     assert fresh.metrics.cached_prompt_tokens == 0
     assert second.output_ids == fresh.output_ids
+
+
+def test_smollm2_logprobs_identical_with_and_without_speculation(smollm):
+    """On real weights, greedy logprobs (the target's raw log-softmax, top 5) are the same floats
+    whether a token came from a plain step or from a verify pass (self-draft: every draft
+    accepted; n-grams: accepted and rejected drafts)."""
+    from dataclasses import replace
+
+    params = replace(GREEDY, logprobs=5)
+    ids = prompt_ids(smollm, PROMPTS[0])
+
+    def floats(seq):
+        return [(t.token_id, t.logprob, t.top) for t in seq.output_logprobs]
+
+    plain = Engine(smollm, max_model_len=MAX_MODEL_LEN).generate(ids, params)
+    drafter = DraftModelDrafter(smollm, smollm.model.config.vocab_size, MAX_MODEL_LEN)
+    self_draft = Engine(smollm, SpeculativeConfig(method="draft_model", num_speculative_tokens=4, adaptive=False),
+                        max_model_len=MAX_MODEL_LEN, drafter=drafter).generate(ids, params)
+    ngram = Engine(smollm, SpeculativeConfig(method="ngram", num_speculative_tokens=5, adaptive=False),
+                   max_model_len=MAX_MODEL_LEN).generate(ids, params)
+    assert len(plain.output_logprobs) == len(plain.output_ids) > 16
+    assert self_draft.metrics.num_accepted_tokens > 0
+    for spec in (self_draft, ngram):
+        assert spec.output_ids == plain.output_ids
+        assert floats(spec) == floats(plain)
