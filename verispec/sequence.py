@@ -80,8 +80,8 @@ class Sequence:
 
         Returns the tokens actually committed (a prefix of ``tokens``) and the new text that is
         safe to emit. EOS (unless ``ignore_eos``) and a stop token id end the sequence (the id is
-        kept in ``output_ids`` but produces no text); a stop string ends it with the text cut before the stop string; reaching
-        ``max_tokens`` ends it with reason "length".
+        kept in ``output_ids`` but produces no text); a stop string ends it with the text cut
+        before the stop string; reaching ``max_tokens`` ends it with reason "length".
         """
         committed: list[int] = []
         pieces: list[str] = []

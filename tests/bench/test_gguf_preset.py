@@ -11,9 +11,9 @@ import stat
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
+from gguf_reference import write_bare_gguf
 from verispec.bench.presets import gguf as preset
 
 
@@ -61,16 +61,7 @@ def test_llama_runs_are_parsed_and_measured(tmp_path: Path, llama_bin: Path) -> 
 
 def test_a_file_verispec_does_not_run_is_reported(tmp_path: Path, llama_bin: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    from gguf import GGUFWriter
-
-    path = tmp_path / "ssm.gguf"
-    writer = GGUFWriter(str(path), "mamba")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_bare_gguf(tmp_path / "ssm.gguf", "mamba", 32)
     out = tmp_path / "r.json"
     assert preset.main(["--files", str(path), "--llama-bin", str(llama_bin), "--out", str(out)]) == 0
     report = json.loads(out.read_text())

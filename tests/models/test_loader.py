@@ -35,6 +35,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from gguf_reference import write_bare_gguf
 from verispec import kernels
 from verispec.models import gguf_convert, loader
 from verispec.models.decoder import UnsupportedModelError
@@ -557,14 +558,7 @@ def test_unsupported_architecture_in_config(tmp_path: Path) -> None:
 
 
 def test_unsupported_gguf_architecture_fails_before_conversion(tmp_path: Path) -> None:
-    path = tmp_path / "tiny-gpt2.gguf"
-    writer = GGUFWriter(str(path), "gpt2")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_bare_gguf(tmp_path / "tiny-gpt2.gguf", "gpt2", 4)
     with pytest.raises(UnsupportedModelError, match=r"unsupported GGUF architecture 'gpt2'.*llama, qwen2"):
         load_model(path, progress=False)
     assert not converted_dir(path).parent.exists() and not metadata_dir(path).parent.exists()  # nothing was read

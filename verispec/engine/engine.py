@@ -517,6 +517,7 @@ class Engine:
         self.slots.release(seq.slot, seq.token_ids, reusable=seq.finish_reason != "error")
         self.metrics.merge(seq.metrics)
 
+
 def _record_logprobs(seq: Sequence, logits: torch.Tensor, rows: list[int], committed: list[int]) -> None:
     """Append the committed tokens' logprobs, for a request that asks for them (nothing is
     computed otherwise): ``logits[rows[i]]`` (``logits`` is a pass's ``[rows, V]``) is the

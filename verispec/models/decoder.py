@@ -574,18 +574,18 @@ def _no_random_init():
                 setattr(nn.init, name, function)
 
 
-def _retype_(model: nn.Module, dtype: torch.dtype) -> None:
-    """``model.to(dtype)`` for a model built on the meta device, by making new meta tensors: a
-    conversion on the meta device would load torch's meta kernels (and sympy), a second or more
-    of a load."""
+def _retype_meta_(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` for the floating tensors of a model built on the meta device, by making
+    new meta tensors: a conversion on the meta device would load torch's meta kernels (and sympy),
+    a second or more of a load. Tensors already on a real device (RoPE's frequencies) stay."""
     for module in model.modules():
         for name, p in module._parameters.items():
-            if p is not None and p.is_floating_point() and p.dtype != dtype:
-                new = torch.empty(p.shape, dtype=dtype, device="meta") if p.is_meta else p.detach().to(dtype)
-                module._parameters[name] = nn.Parameter(new, requires_grad=p.requires_grad)
+            if p is not None and p.is_meta and p.is_floating_point() and p.dtype != dtype:
+                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"),
+                                                        requires_grad=p.requires_grad)
         for name, b in module._buffers.items():
-            if b is not None and b.is_floating_point() and b.dtype != dtype:
-                module._buffers[name] = torch.empty(b.shape, dtype=dtype, device="meta") if b.is_meta else b.to(dtype)
+            if b is not None and b.is_meta and b.is_floating_point() and b.dtype != dtype:
+                module._buffers[name] = torch.empty(b.shape, dtype=dtype, device="meta")
 
 
 class Decoder(nn.Module):
@@ -632,7 +632,7 @@ class Decoder(nn.Module):
         weightless is then allocated, so the dense weights of those layers never exist."""
         with torch.device("meta"), _no_random_init():
             model = cls(config)
-        _retype_(model, dtype)
+        _retype_meta_(model, dtype)
         if build is not None:
             build(model)
         for module in model.modules():
@@ -644,8 +644,8 @@ class Decoder(nn.Module):
             for name, b in module._buffers.items():
                 if b is not None and b.is_meta:
                     module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
-        model.inv_freq = rope_inv_freq(config).to(device)
-        model.inv_freq_local = rope_inv_freq(config, local=True).to(device)
+        model.inv_freq = model.inv_freq.to(device)  # float32, computed on the CPU in __init__
+        model.inv_freq_local = model.inv_freq_local.to(device)
         return model
 
     @property

@@ -316,10 +316,10 @@ METADATA_VERSION = 3
 
 
 def _cache_key(path: Path, kind: str) -> str:
+    """The fingerprint of a ``converted`` or ``gguf`` (metadata) cache entry."""
     st = path.stat()
-    key = f"v{CONVERSION_VERSION}\0{st.st_size}\0{st.st_mtime_ns}\0{path}"
-    if kind != "converted":
-        key = f"{kind}\0{key}" if kind != "gguf" else f"{kind}{METADATA_VERSION}\0{key}"
+    tag = "" if kind == "converted" else f"{kind}{METADATA_VERSION}\0"
+    key = f"{tag}v{CONVERSION_VERSION}\0{st.st_size}\0{st.st_mtime_ns}\0{path}"
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:12]
 
 
@@ -348,7 +348,7 @@ def _say(progress: bool, message: str) -> None:
 def convert_gguf(gguf_path: str | Path, *, progress: bool = True) -> Path:
     """Convert a GGUF file into a cached Hugging Face directory (once) and return that directory.
 
-    The model loader reads GGUF files directly (:mod:`verispec.models.gguf_load`); a converted
+    The model loader reads GGUF files directly (:func:`verispec.models.loader.load_gguf`); a converted
     directory is what transformers' baselines in ``verispec bench`` load."""
     return _cached(gguf_path, converted_dir, weights=True, progress=progress)
 
@@ -357,8 +357,8 @@ def gguf_metadata(gguf_path: str | Path, *, progress: bool = True) -> Path:
     """A GGUF file's model description as a small cached directory, made once per file:
     ``config.json``, ``generation_config.json``, the tokenizer's files (transformers' GGUF
     tokenizer, the slow part of reading a GGUF) and ``gguf_tensors.json`` (each GGUF tensor's
-    Hugging Face name and shape). No weights: :mod:`verispec.models.gguf_load` reads those from
-    the file."""
+    Hugging Face name and shape). No weights: :func:`verispec.models.loader.load_gguf` reads those
+    from the file."""
     return _cached(gguf_path, metadata_dir, weights=False, progress=progress)
 
 
@@ -682,14 +682,22 @@ def rotary_permutation(header: GGUFHeader, cfg: Mapping[str, Any]) -> dict[str, 
     return {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
 
 
-def hf_array(header: GGUFHeader, info: GGUFTensorInfo, data: np.ndarray, permute_heads: Mapping[str, int]) -> np.ndarray:
+def rotary_heads(info: GGUFTensorInfo, permute_heads: Mapping[str, int]) -> int | None:
+    """The head count of llama.cpp's rotary interleave of this tensor's rows (``permute_heads``
+    from :func:`rotary_permutation`), or None where its rows are as transformers holds them."""
+    kind = info.name.split(".")[-2] if info.name.count(".") >= 2 else ""
+    return permute_heads.get(kind)
+
+
+def hf_array(header: GGUFHeader, info: GGUFTensorInfo, data: np.ndarray,
+             permute_heads: Mapping[str, int]) -> np.ndarray:
     """One tensor as transformers holds it: dequantized to float32 (an own, contiguous array, not
     a view of the file), with llama.cpp's rotary row interleave undone and Gemma's norm weights
     shifted back by one (llama.cpp's converter stores 1 + w) where those apply."""
     array = _dequantize(data, info, header.path)
-    kind = info.name.split(".")[-2] if info.name.count(".") >= 2 else ""
-    if kind in permute_heads:
-        array = _unpermute_rotary(array, permute_heads[kind])
+    heads = rotary_heads(info, permute_heads)
+    if heads:
+        array = _unpermute_rotary(array, heads)
     if header.architecture in _NORM_SHIFTED and info.name.endswith("norm.weight"):
         array = array - np.float32(1.0)
     if array.dtype != np.float32 or not array.flags.c_contiguous or not array.flags.writeable:
@@ -722,6 +730,15 @@ class GGUFTensors(Mapping[str, Tensor]):
         if self._data is None:
             self._data = np.memmap(self.header.path, dtype=np.uint8, mode="r")
         return self._data
+
+    def blocks(self, info: GGUFTensorInfo) -> np.ndarray:
+        """A 2-D tensor's raw blocks as the file holds them, ``[rows, bytes per row]``: a view of
+        the memory map (rows in the file's order, see :meth:`rotary_heads`)."""
+        return self.data()[info.offset : info.offset + info.nbytes].reshape(info.shape[0], -1)
+
+    def rotary_heads(self, info: GGUFTensorInfo) -> int | None:
+        """The head count of llama.cpp's rotary interleave of the tensor's rows, or None."""
+        return rotary_heads(info, self._permute)
 
     def release_pages(self, start: int = 0, length: int | None = None) -> None:
         """Drop the file's pages in ``[start, start + length)`` (default: all) that reading

@@ -56,8 +56,9 @@ from verispec.kernels import KernelError, PackedWeight
 from verispec.models.gguf_convert import _unpermute_rotary, ggml_type_name, read_gguf_header
 from verispec.runtime import verispec_home
 
-__all__ = ["NativeLinear", "GGUFEmbedding", "install_gguf_layers_", "use_gguf_weights_", "is_native", "float_activations_", "RepackCache",
-           "NATIVE_FORMATS", "native_unfit", "quantize_native_", "gguf_quantized", "native_layer", "dense_prefill_pays"]
+__all__ = ["NativeLinear", "GGUFEmbedding", "install_gguf_layers_", "use_gguf_weights_", "is_native",
+           "float_activations_", "RepackCache", "NATIVE_FORMATS", "native_unfit", "quantize_native_", "gguf_quantized",
+           "native_layer", "dense_prefill_pays"]
 
 # --quantization int8 / int4 of a dense checkpoint on the kernels: GGUF's Q8_0 (one fp16 scale
 # per 32 weights) and Q4_1 (a scale and a minimum per 32), quantized by gguf's own reference code.
@@ -424,10 +425,9 @@ class GGUFEmbedding(nn.Module):
         """The table ``hf_name`` of a :class:`~verispec.models.gguf_convert.GGUFTensors`, or None
         where the file's table needs a transform on reading (none of the supported ones does)."""
         info = tensors.info(hf_name)
-        if info is None or len(info.shape) != 2 or info.name.split(".")[-2] in tensors._permute:
+        if info is None or len(info.shape) != 2 or tensors.rotary_heads(info):
             return None
-        n, k = info.shape
-        return cls(tensors.data()[info.offset : info.offset + info.nbytes].reshape(n, -1), info.ggml_type, k, dtype)
+        return cls(tensors.blocks(info), info.ggml_type, info.shape[1], dtype)
 
     def _rows(self, ids: np.ndarray) -> Tensor:
         from gguf import GGMLQuantizationType, dequantize
@@ -511,10 +511,10 @@ def install_gguf_layers_(model: nn.Module, tensors, *, keep_dense: bool | None =
         if why is not None:
             unrun[why] = unrun.get(why, 0) + 1
             return None
-        raw = tensors.data()[info.offset : info.offset + info.nbytes].reshape(n, -1)
-        kind = info.name.split(".")[-2] if info.name.startswith("blk.") else ""
-        if kind in tensors._permute:  # rows are whole blocks, so the raw rows permute like the weights
-            raw = _unpermute_rotary(raw, tensors._permute[kind])
+        raw = tensors.blocks(info)
+        heads = tensors.rotary_heads(info)
+        if heads:  # rows are whole blocks, so the raw rows permute like the weights
+            raw = _unpermute_rotary(raw, heads)
         weight = kernels.repack(info.ggml_type, raw, n, k)
         tensors.release_pages(info.offset, info.nbytes)
         return weight

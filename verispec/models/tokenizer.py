@@ -110,7 +110,7 @@ class Tokenizer:
 
         tok = cls.__new__(cls)
         tok._hf, tok._light, tok._directory = None, facts, directory
-        tok._backend = RustTokenizer.from_file(str(directory / facts.get("backend", _LIGHT_BACKEND)))
+        tok._backend = RustTokenizer.from_file(str(directory / facts["backend"]))
         ids = set(facts["eos_token_ids"])
         for value in config_eos:
             ids.update(_as_id_list(value))
@@ -130,7 +130,8 @@ class Tokenizer:
             hf_config = _read_json_if_present(directory / "config.json")
         generation = _read_json_if_present(directory / "generation_config.json")
         facts = _read_json_if_present(directory / LIGHT_FILE)
-        if facts.get("version") == _LIGHT_VERSION and (directory / facts.get("backend", _LIGHT_BACKEND)).is_file():
+        backend = facts.get("backend")
+        if facts.get("version") == _LIGHT_VERSION and backend and (directory / backend).is_file():
             return cls._from_light(directory, facts, (hf_config.get("eos_token_id"), generation.get("eos_token_id")))
         from transformers import AutoTokenizer
 
@@ -256,11 +257,10 @@ class Tokenizer:
 
 @functools.cache
 def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's printable stand-in for each byte (GPT-2's ``bytes_to_unicode``), inverted:
-    printable Latin-1 bytes stand for themselves, the other bytes for code points from 256 on."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's ``bytes_to_unicode``), inverted."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def _plain_backend(hf: PreTrainedTokenizerBase) -> Any:
@@ -300,7 +300,8 @@ def write_light_tokenizer(directory: Path) -> bool:
     if not same:
         (directory / _LIGHT_BACKEND).write_text(text, encoding="utf-8")
     facts = {
-        "version": _LIGHT_VERSION, "backend": saved.name if same else _LIGHT_BACKEND, "eos_token_ids": sorted(collect_eos_ids(hf)), "bos_token_id": hf.bos_token_id,
+        "version": _LIGHT_VERSION, "backend": saved.name if same else _LIGHT_BACKEND,
+        "eos_token_ids": sorted(collect_eos_ids(hf)), "bos_token_id": hf.bos_token_id,
         "pad_token_id": hf.pad_token_id, "size": len(hf), "chat_template": template or None,
         "special_tokens_map": specials, "name_or_path": str(getattr(hf, "name_or_path", "") or ""),
     }  # fmt: skip

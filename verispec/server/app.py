@@ -17,9 +17,9 @@ oversized body costs more than its headers and the bytes up to the limit. With
 ``api_key_for_metrics_and_docs`` the key guards every other route too (``/metrics``, ``/docs``,
 ``/redoc``, ``/openapi.json``) but ``/health``, which liveness probes call without one.
 Tokenization runs in a worker thread: the size limit bounds its work, and the event loop
-(``/health``, streams) stays responsive meanwhile. Only a token-id prompt is refused for length before that: a token
-may span many characters and a normalizer may drop some, so no character count proves a text
-prompt too long for the context.
+(``/health``, streams) stays responsive meanwhile. Only a token-id prompt is refused for length
+before that: a token may span many characters and a normalizer may drop some, so no character
+count proves a text prompt too long for the context.
 
 While a server runs, the heap the process had when serving began (torch, transformers, the
 models: hundreds of thousands of objects) is frozen (``gc.freeze``, as vLLM's server does), so
