@@ -7,6 +7,8 @@ Servers run uvicorn in a thread on a free port and are stopped (gracefully) at t
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
 from types import SimpleNamespace
 
@@ -32,19 +34,31 @@ K = 3
 MAX_MODEL_LEN = 96
 
 
-def char_tokenizer() -> Tokenizer:
+# A template that renders tools and calls the way Qwen 2.5's does (its parser: hermes), in the
+# characters the tiny tokenizer has (others become <|endoftext|>)
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }} {% endfor %}"
+    "<tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} {{ c.function.arguments.x }}"
+    "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def char_tokenizer(chat_template: str = CHAT_TEMPLATE) -> Tokenizer:
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
     tk = HFTokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
     tk.add_special_tokens(SPECIALS)
     hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", unk_token="<|endoftext|>",
-                                 chat_template=CHAT_TEMPLATE)
+                                 chat_template=chat_template)
     return Tokenizer(hf)
 
 
-def tiny_target_and_draft():
-    tokenizer = char_tokenizer()
+def tiny_target_and_draft(chat_template: str = CHAT_TEMPLATE):
+    tokenizer = char_tokenizer(chat_template)
     vocab = len(SPECIALS) + len(CHARS)
     target = tiny_model(vocab=vocab, seed=1)
     # Special tokens get logit 0 while the largest logit is far above it, so the random model
@@ -62,9 +76,9 @@ class LiveServer(BackgroundServer):
 
 
 def make_app(max_num_seqs: int = 4, max_queue: int = 64, api_key: str | None = API_KEY,
-             shutdown_grace_s: float = 1.0, **app_kwargs):
+             shutdown_grace_s: float = 1.0, chat_template: str = CHAT_TEMPLATE, **app_kwargs):
     """The app of a server on the tiny models; ``app_kwargs`` go to :func:`build_app`."""
-    target, draft = tiny_target_and_draft()
+    target, draft = tiny_target_and_draft(chat_template)
     drafter = DraftModelDrafter(draft, target.model.config.vocab_size, MAX_MODEL_LEN, num_slots=max_num_seqs)
     spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=K)
     engine = Engine(target, spec, max_model_len=MAX_MODEL_LEN, drafter=drafter, max_num_seqs=max_num_seqs)
@@ -85,3 +99,17 @@ def wait_idle(live: LiveServer, timeout: float = 20.0) -> None:
         assert time.monotonic() < deadline, "requests still active"
         time.sleep(0.02)
     assert sorted(engine.free_slots) == list(range(engine.cache.num_slots))
+
+
+def raw(server, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
+    """(status, headers, parsed JSON or text) of one plain HTTP request."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    hdrs = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json", **(headers or {})}
+    conn.request(method, path, body=body, headers=hdrs)
+    resp = conn.getresponse()
+    data = resp.read().decode()
+    conn.close()
+    try:
+        return resp.status, dict(resp.getheaders()), json.loads(data)
+    except json.JSONDecodeError:
+        return resp.status, dict(resp.getheaders()), data

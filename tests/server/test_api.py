@@ -9,7 +9,7 @@ import logging
 import openai
 import pytest
 
-from liveserver import API_KEY, CHARS, K, MAX_MODEL_LEN, SPECIALS
+from liveserver import API_KEY, CHARS, K, MAX_MODEL_LEN, SPECIALS, raw
 
 GREEDY = {"temperature": 0.0}
 
@@ -17,20 +17,6 @@ GREEDY = {"temperature": 0.0}
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
-
-
-def raw(server, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
-    """(status, headers, parsed JSON or text) of one plain HTTP request."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    hdrs = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json", **(headers or {})}
-    conn.request(method, path, body=body, headers=hdrs)
-    resp = conn.getresponse()
-    data = resp.read().decode()
-    conn.close()
-    try:
-        return resp.status, dict(resp.getheaders()), json.loads(data)
-    except json.JSONDecodeError:
-        return resp.status, dict(resp.getheaders()), data
 
 
 def test_models_lists_the_served_model(client):

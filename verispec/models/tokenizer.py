@@ -161,16 +161,24 @@ class Tokenizer:
         return self._backend if self._backend is not None else _plain_backend(self.hf)
 
     @property
-    def has_chat_template(self) -> bool:
-        if self._light is not None:
-            return bool(self._light["chat_template"])
-        return bool(getattr(self.hf, "chat_template", None))
+    def chat_template(self) -> str | None:
+        """The chat template's text (a tokenizer with several: the one for tools), or None."""
+        template = self._light["chat_template"] if self._light is not None else getattr(self.hf, "chat_template", None)
+        if isinstance(template, Mapping):
+            template = template.get("tool_use") or template.get("default")
+        return template or None
 
-    def render_chat(self, prompt: str | Sequence[Mapping[str, Any]], system: str | None = None) -> str:
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    def render_chat(self, prompt: str | Sequence[Mapping[str, Any]], system: str | None = None,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The chat template applied to the conversation, ending with the assistant prompt.
 
         ``prompt`` is a user message or a list of ``{"role": ..., "content": ...}`` messages;
-        ``system`` prepends a system message (an error if the messages already start with one).
+        ``system`` prepends a system message (an error if the messages already start with one);
+        ``tools`` (OpenAI's function definitions) go to the template's ``tools`` variable.
         """
         if not self.has_chat_template:
             raise ValueError(
@@ -184,18 +192,19 @@ class Tokenizer:
             from transformers.utils.chat_template_utils import render_jinja_template
 
             messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-            rendered, _ = render_jinja_template(conversations=[messages], chat_template=self._light["chat_template"],
+            rendered, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=self.chat_template,
                                                 add_generation_prompt=True, **self._light["special_tokens_map"])
             return rendered[0]
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
-    def apply_chat_template(self, prompt: str | Sequence[Mapping[str, Any]], system: str | None = None) -> list[int]:
+    def apply_chat_template(self, prompt: str | Sequence[Mapping[str, Any]], system: str | None = None,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered conversation with the generation prompt appended.
 
         The template already writes every special token it wants (e.g. BOS), so the rendered
         text is encoded without adding special tokens again.
         """
-        return self.encode(self.render_chat(prompt, system), add_special_tokens=False)
+        return self.encode(self.render_chat(prompt, system, tools), add_special_tokens=False)
 
     # -- decoding -----------------------------------------------------------------------------
 
@@ -315,8 +324,10 @@ def _messages(prompt: str | Sequence[Mapping[str, Any]], system: str | None) -> 
     else:
         messages = []
         for i, message in enumerate(prompt):
-            if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-                raise ValueError(f"message {i} must be a mapping with 'role' and 'content', got {message!r}")
+            if not isinstance(message, Mapping) or "role" not in message or \
+                    ("content" not in message and "tool_calls" not in message):
+                raise ValueError(f"message {i} must be a mapping with 'role' and 'content' (or an assistant's "
+                                 f"'tool_calls'), got {message!r}")
             messages.append(dict(message))
         if not messages:
             raise ValueError("the conversation has no messages")

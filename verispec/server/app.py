@@ -65,6 +65,7 @@ from verispec.server.metrics import ServerMetrics
 from verispec.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from verispec.server.runner import EngineDead, EngineRunner, Event, QueueFull, ShuttingDown
 from verispec.server.runner import Request as EngineRequest
+from verispec.tools import ToolCall, ToolCallStream, ToolParser, parser_for, template_messages
 
 log = logging.getLogger(__name__)
 
@@ -366,6 +367,8 @@ class _Service:
             raise APIError(400, refusal.message, param=refusal.param)
         if isinstance(body, ChatCompletionRequest) and not self.engine.target.tokenizer.has_chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions")
+        if isinstance(body, ChatCompletionRequest) and body.uses_tools():
+            self.tool_parser(body)
         if isinstance(body, CompletionRequest) and isinstance(body.prompt, list):
             self._check_prompt_length(len(body.prompt), "prompt")  # token ids: their count is known already
 
@@ -385,8 +388,28 @@ class _Service:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """Token ids of the conversation (blocking: runs in a worker thread)."""
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return self.engine.target.tokenizer.apply_chat_template(messages)
+        try:
+            messages = template_messages([m.for_template() for m in body.messages])
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.uses_tools() else None
+        return self.engine.target.tokenizer.apply_chat_template(messages, tools=tools)
+
+    def tool_parser(self, body: ChatCompletionRequest) -> ToolParser | None:
+        """The parser of the model's calls where the request uses tools (a 400 where the
+        model's template does not render tools, or writes calls in a format not known here)."""
+        if not body.uses_tools():
+            return None
+        if body.tool_choice not in (None, "auto"):
+            raise APIError(400, "tool_choice 'required' or a named function is not supported yet: verispec "
+                           "serves tool_choice 'auto' and 'none'", param="tool_choice")
+        template = self.engine.target.tokenizer.chat_template or ""
+        parser = parser_for(template)
+        if parser is None:
+            why = "does not render tools" if "tools" not in template else \
+                "writes tool calls in a format verispec has no parser for"
+            raise APIError(400, f"this model's chat template {why}", param="tools")
+        return parser
 
     # ---- one request -------------------------------------------------------------------------
 
@@ -418,8 +441,11 @@ class _Service:
         except EngineDead as e:
             raise APIError(503, str(e), "service_unavailable", "engine_dead") from None
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        tools = None
+        if isinstance(body, ChatCompletionRequest) and body.uses_tools():
+            tools = self.tool_parser(body).stream(parallel=body.parallel_tool_calls is not False)
         reply = _Reply(self.model_name, chat, len(prompt_ids), self.engine.target.tokenizer, params.logprobs,
-                       include_usage)
+                       include_usage, tools)
         if body.stream:
             return StreamingResponse(self._stream(request, queue, reply), media_type="text/event-stream")
         return await self._collect(request, queue, reply, http)
@@ -507,7 +533,8 @@ class _Service:
                     yield _sse(error_body(f"request not completed: {event.error}",
                                           _ERROR_TYPES.get(event.status, "server_error")))
                 elif event.text or event.logprobs or event.final is not None:
-                    yield _sse(reply.chunk(event.text, event.final, event.logprobs))
+                    for chunk in reply.chunks(event.text, event.final, event.logprobs):
+                        yield _sse(chunk)
                     if event.final is not None and reply.include_usage:
                         yield _sse(reply.usage_chunk(event.final))
             yield "data: [DONE]\n\n"
@@ -536,12 +563,19 @@ class _Reply:
     ones); ``text_offset`` counts those texts from the start of the completion.
 
     A stream's last chunk carries ``usage``; with ``include_usage`` (``stream_options``) it goes
-    instead in a chunk of its own after it, with no choices, as OpenAI sends it."""
+    instead in a chunk of its own after it, with no choices, as OpenAI sends it.
+
+    With ``tools`` (a chat request that uses tools) the text is read for calls
+    (:mod:`verispec.tools`): an answer's calls go in ``tool_calls``, and its finish reason is
+    ``tool_calls`` where it stopped after making one; in a stream each call is one delta once its
+    text is complete, and text that may begin a call waits until that is known."""
 
     def __init__(self, model: str, chat: bool, prompt_tokens: int, tokenizer: Tokenizer, top_logprobs: int | None,
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, tools: ToolCallStream | None = None) -> None:
         self.model, self.chat, self.prompt_tokens = model, chat, prompt_tokens
         self.tokenizer, self.top_logprobs, self.include_usage = tokenizer, top_logprobs, include_usage
+        self.tools = tools
+        self.calls_sent = 0  # a stream's calls so far: the index of the next
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.text_offset = 0  # completions: where the next token's text starts
@@ -558,8 +592,17 @@ class _Reply:
 
     def full(self, text: str, logprobs: list[TokenLogprob], seq: Sequence) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(logprobs), "finish_reason": seq.finish_reason}
+            message: dict = {"role": "assistant", "content": text}
+            finish = seq.finish_reason
+            if self.tools is not None:
+                items = self.tools.feed(text) + self.tools.finish()
+                calls = [i.openai() for i in items if isinstance(i, ToolCall)]
+                content = "".join(i for i in items if isinstance(i, str))
+                message["content"] = None if calls and not content.strip() else content
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = _tools_finish(finish)
+            choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": finish}
             return self._envelope("chat.completion", choice, seq)
         choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": seq.finish_reason}
         return self._envelope("text_completion", choice, seq)
@@ -574,6 +617,30 @@ class _Reply:
         choice = {"index": 0, "text": delta, "logprobs": self._logprobs(logprobs) if logprobs else None,
                   "finish_reason": finish}
         return self._envelope("text_completion", choice, seq, usage=not self.include_usage)
+
+    def chunks(self, text: str, seq: Sequence | None, logprobs: tuple[TokenLogprob, ...]) -> list[dict]:
+        """The chunks for one engine event: one, or with tools, the content and calls the
+        event's text settles (its logprobs ride on the first; the last has the finish)."""
+        if self.tools is None:
+            return [self.chunk(text, seq, logprobs)]
+        items = self.tools.feed(text) + (self.tools.finish() if seq is not None else [])
+        deltas: list[dict] = []
+        for item in items:
+            if isinstance(item, ToolCall):
+                deltas.append({"tool_calls": [item.openai(index=self.calls_sent)]})
+                self.calls_sent += 1
+            else:
+                deltas.append({"content": item})
+        if not deltas and (logprobs or seq is not None):
+            deltas.append({"content": ""})
+        out = []
+        for i, delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            chunk = self.chunk(delta, seq if last else None, logprobs if i == 0 else ())
+            if last and seq is not None and self.calls_sent:
+                chunk["choices"][0]["finish_reason"] = _tools_finish(seq.finish_reason)
+            out.append(chunk)
+        return out
 
     def usage_chunk(self, seq: Sequence) -> dict:
         """The chunk after the last one when ``include_usage`` is set: usage, no choices."""
@@ -604,6 +671,12 @@ class _Reply:
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _tools_finish(reason: str | None) -> str | None:
+    """The finish reason of an answer that made calls: ``tool_calls`` where the model stopped
+    by itself, as OpenAI reports it (a length or abort cut-off says so)."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def _finite(logprob: float) -> float:

@@ -37,9 +37,9 @@ verispec extras:
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema, model_validator
 
 from verispec.config import SEED_MAX, SEED_MIN, TOP_K_MAX
 from verispec.metrics import SpecMetrics
@@ -78,6 +78,7 @@ Int64 = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), BeforeValidator(_integra
 Text = Annotated[str, BeforeValidator(_valid_unicode)]
 NonEmptyText = Annotated[str, StringConstraints(min_length=1), BeforeValidator(_valid_unicode)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), BeforeValidator(_valid_unicode)]
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # as OpenAI's
 
 
 class Refusal(NamedTuple):
@@ -188,29 +189,131 @@ class TextPart(_Strict):
     text: Text
 
 
-class ChatMessage(_Strict):
+class FunctionCall(_Strict):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Text | list[TextPart]
-    name: Text | None = None
+    name: FunctionName
+    arguments: Text  # a JSON object, as a string
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+class ToolCallMessage(_Strict):
+    """A call an assistant turn made, as a client sends the conversation back."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
+
+
+# Which fields a message needs, by role (checked in ChatMessage, stated in the schema): text for
+# system, user, developer and tool messages; text or calls for an assistant's; calls only from an
+# assistant, a tool_call_id only on a tool result.
+_TEXT = {"required": ["content"], "properties": {"content": {"type": ["string", "array"]}}}
+_CALLS = {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}
+_CALL_ID = {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}
+_MESSAGE_RULES = {"allOf": [
+    {"if": {"properties": {"role": {"const": "assistant"}}},
+     "then": {"anyOf": [_TEXT, _CALLS]},
+     "else": {**_TEXT, "not": {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array"}}}}},
+    {"if": {"properties": {"role": {"const": "tool"}}}, "then": _CALL_ID, "else": {"not": _CALL_ID}},
+]}
+
+
+class ChatMessage(_Strict):
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_MESSAGE_RULES)
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's
+    tool_call_id: Text | None = None  # a tool result's: the call it answers
+
+    @model_validator(mode="after")
+    def _fields_of_role(self) -> ChatMessage:
+        if self.role == "assistant":
+            if self.content is None and not self.tool_calls:
+                raise ValueError("an assistant message needs content or tool_calls")
+        elif self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        elif self.tool_calls is not None:
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        return self
+
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template reads it (None-valued keys are dropped later)."""
+        calls = None if self.tool_calls is None else [c.model_dump() for c in self.tool_calls]
+        return {"role": self.role, "content": self.text(), "tool_calls": calls, "tool_call_id": self.tool_call_id,
+                "name": self.name}
+
+
+class FunctionDefinition(_Strict):
+    model_config = ConfigDict(extra="forbid")
+
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    model_config = ConfigDict(extra="forbid")
+
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+_TOOL_CHOICE_NEEDS_TOOLS = {
+    "if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"type": "null"}}}},
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
 
 
 class ChatCompletionRequest(SamplingRequest):
-    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS]})
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS,
+                                                           _TOOL_CHOICE_NEEDS_TOOLS]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
     top_logprobs: TopLogprobs | None = None  # needs logprobs true
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # needs tools
+    parallel_tool_calls: bool | None = None  # null: true
 
     def refused(self) -> Refusal | None:
         if self.top_logprobs is not None and not self.logprobs:
             return Refusal("top_logprobs", "top_logprobs is only allowed when logprobs is true")
+        if self.tool_choice is not None and not self.tools:
+            return Refusal("tool_choice", "tool_choice is only allowed when tools are given")
+        if isinstance(self.tool_choice, NamedToolChoice) and \
+                self.tool_choice.function.name not in {t.function.name for t in self.tools}:
+            return Refusal("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, "
+                                          "which is not one of the tools")
         return super().refused()
+
+    def uses_tools(self) -> bool:
+        """Whether the tools go to the template and the answer is read for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -301,9 +404,25 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallResponse(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class ToolCallDelta(ToolCallResponse):
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallResponse] | None = None  # present when the model called tools
 
 
 class ChatChoice(BaseModel):
@@ -326,6 +445,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None  # each call whole, in the chunk where it completes
 
 
 class ChatChunkChoice(BaseModel):
