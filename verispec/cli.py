@@ -284,6 +284,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds from a request's arrival to its last token; past it the request ends "
                    "with 504 (0: no limit; default 600)")
+    s.add_argument("--max-step-time", type=float, default=120.0,
+                   help="seconds one engine step (a whole prompt's prefill included) may run before /health "
+                   "answers 503 (0: never; default 120)")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers, from its opening or its "
+                   "last response; then it is closed (default 10)")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a /v1 request's body may take to arrive after its headers; then 408 (default 30)")
+    s.add_argument("--limit-concurrency", type=int, default=512,
+                   help="open connections and requests past which new ones get 503 (0: no limit; default 512)")
     s.add_argument("--exit-on-fatal", action="store_true",
                    help="exit with status 1 if the engine thread dies, for a supervisor to restart the "
                    "process (default: stay up, answer 503 and report it on /health)")
@@ -335,14 +345,17 @@ def api_key_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.
 
 # The serve flags not named after their ServerConfig / ScaleOutConfig field.
 _SERVE_FLAGS = {"model": "MODEL", "request_timeout_s": "--request-timeout", "num_replicas": "--replicas",
-                "num_cpus": "--replica-cpus", "num_gpus": "--replica-gpus"}
+                "num_cpus": "--replica-cpus", "num_gpus": "--replica-gpus", "max_step_s": "--max-step-time",
+                "header_timeout_s": "--header-timeout", "body_timeout_s": "--body-timeout"}
 
 
 def server_settings_from_args(args: argparse.Namespace) -> dict:
     """The :class:`~verispec.server.config.ServerConfig` fields that ``verispec serve``'s flags set,
     one field a flag (the API key as :func:`api_key_from_args` finds it)."""
-    if args.request_timeout < 0:
-        raise ValueError("--request-timeout must be >= 0 (0: no limit)")
+    for flag, value in (("--request-timeout", args.request_timeout), ("--max-step-time", args.max_step_time),
+                        ("--limit-concurrency", args.limit_concurrency)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0 (0: no limit)")
     return dict(
         model=args.model, speculative_config=speculative_config_from_args(args), device=args.device,
         dtype=args.dtype, quantization=args.quantization, quantization_group_size=args.quantization_group_size,
@@ -351,6 +364,8 @@ def server_settings_from_args(args: argparse.Namespace) -> dict:
         served_model_name=args.served_model_name, api_key=api_key_from_args(args),
         api_key_for_metrics_and_docs=args.api_key_for_metrics_and_docs, max_queue=args.max_queue,
         max_request_bytes=args.max_request_bytes, request_timeout_s=args.request_timeout or None,
+        max_step_s=args.max_step_time or None, header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout, limit_concurrency=args.limit_concurrency or None,
         exit_on_fatal=args.exit_on_fatal, host=args.host, port=args.port)
 
 

@@ -231,13 +231,13 @@ def test_openapi_document_matches_the_server(server):
     for path, kind in (("/v1/completions", "CompletionResponse"), ("/v1/chat/completions", "ChatCompletionResponse")):
         op = paths[path]["post"]
         responses = op["responses"]
-        assert set(responses) == {"200", "400", "401", "404", "413", "429", "500", "503", "504"}
+        assert set(responses) == {"200", "400", "401", "404", "408", "413", "429", "500", "503", "504"}
         for code in set(responses) - {"200"}:
             assert responses[code]["content"] == {"application/json": {"schema": envelope}}, code
         assert responses["200"]["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{kind}"}
         assert "text/event-stream" in responses["200"]["content"]
         assert op["security"] == [{"bearer": []}]
-    assert set(paths["/v1/models"]["get"]["responses"]) == {"200", "401", "413", "500"}
+    assert set(paths["/v1/models"]["get"]["responses"]) == {"200", "401", "408", "413", "500"}
     assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     assert "HTTPValidationError" not in schemas and "ValidationError" not in schemas
     assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}

@@ -149,3 +149,51 @@ def test_gauges_and_counters_follow_a_request_through_its_life():
         assert metrics.success.labels(finished_reason="length")._value.get() == 1
         assert metrics.aborted.labels(reason="cancelled")._value.get() == 1
         assert metrics.received._value.get() == 2
+
+
+def test_a_stalled_step_turns_health_503_and_its_requests_get_504_at_their_deadline():
+    """One engine step stalls for 3 s: /health says so once the step is past its bound (and ok
+    again after), and requests whose 1 s deadline passes meanwhile, streamed or not, are
+    answered at the deadline, not when the step returns; the engine then drops their work."""
+    with make_server(request_timeout_s=1.0, max_step_s=0.5) as live:
+        stall = {"s": 3.0}
+        step = live.runner.engine.step
+
+        def stalling():
+            time.sleep(stall.pop("s", 0.0))  # the first step only
+            return step()
+
+        live.runner.engine.step = stalling
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+
+        def health():
+            conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=5)
+            conn.request("GET", "/health")
+            resp = conn.getresponse()
+            body = json.loads(resp.read())
+            conn.close()
+            return resp.status, body
+
+        async def run():
+            loop = asyncio.get_running_loop()
+            plain = loop.run_in_executor(None, lambda: client.completions.create(
+                model="tiny", prompt="stall", max_tokens=8, **GREEDY))
+            await asyncio.sleep(0.1)
+            streamed = loop.run_in_executor(None, lambda: list(client.completions.create(
+                model="tiny", prompt="stall too", max_tokens=8, stream=True, **GREEDY)))
+            await asyncio.sleep(0.6)  # the step has run past 0.5 s
+            status, body = await loop.run_in_executor(None, health)
+            assert status == 503 and body["status"] == "engine stalled" and "bound is 0.5 s" in body["error"], body
+            t0 = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as info:
+                await plain
+            assert info.value.status_code == 504 and info.value.body["type"] == "timeout"
+            with pytest.raises(openai.APIError, match="timed out"):
+                await streamed
+            return time.monotonic() - t0
+
+        waited = asyncio.run(run())
+        assert waited < 1.0  # at the deadlines (~0.3 s and ~0.4 s later), not when the step returns (~2.3 s)
+        wait_idle(live)
+        assert live.runner.metrics.aborted.labels(reason="timeout")._value.get() == 2
+        assert health() == (200, {"status": "ok"})

@@ -63,7 +63,7 @@ from verispec.sequence import Sequence
 from verispec.server import protocol
 from verispec.server.metrics import ServerMetrics
 from verispec.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from verispec.server.runner import EngineDead, EngineRunner, Event, QueueFull, ShuttingDown
+from verispec.server.runner import EngineDead, EngineRunner, Event, QueueFull, ShuttingDown, abort_event
 from verispec.server.runner import Request as EngineRequest
 from verispec.tools import ToolCall, ToolCallStream, ToolParser, parser_for, template_messages
 
@@ -71,6 +71,9 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1  # what a client told to come back later should wait
 DEFAULT_REQUEST_TIMEOUT_S = 600.0  # arrival to last token; `verispec serve --request-timeout`
+# one engine call (a whole prompt's prefill, until prefill is chunked) past which /health is 503
+DEFAULT_MAX_STEP_S = 120.0
+DEFAULT_BODY_TIMEOUT_S = 30.0  # a /v1 body's arrival after its headers; then 408
 MAX_STREAM_BACKLOG = 256  # unread stream events after which a slow reader's request is cancelled
 _ERROR_TYPES = {400: "invalid_request_error", 499: "cancelled", 503: "service_unavailable", 504: "timeout"}
 
@@ -109,13 +112,17 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
               api_key_for_metrics_and_docs: bool = False, max_queue: int = 64,
               shutdown_grace_s: float = 5.0, max_request_bytes: int = MAX_REQUEST_BYTES,
               request_timeout_s: float | None = DEFAULT_REQUEST_TIMEOUT_S,
-              max_stream_backlog: int = MAX_STREAM_BACKLOG,
+              max_stream_backlog: int = MAX_STREAM_BACKLOG, max_step_s: float | None = DEFAULT_MAX_STEP_S,
+              body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
               on_fatal: Callable[[], None] | None = None) -> FastAPI:
     """The app serving ``engine`` as model ``model_name``; the engine thread runs with the app.
 
-    ``request_timeout_s`` bounds each request from arrival to its last token (None: no limit);
+    ``request_timeout_s`` bounds each request from arrival to its last token (None: no limit),
+    answered at the deadline even while an engine step runs; ``/health`` is 503 while one engine
+    call (a prefill or a step) has run longer than ``max_step_s`` (None: never);
     a stream whose client leaves more than ``max_stream_backlog`` events unread is cancelled;
-    a ``/v1/`` request body over ``max_request_bytes`` is refused (413);
+    a ``/v1/`` request body over ``max_request_bytes`` is refused (413), and one that has not all
+    arrived ``body_timeout_s`` after its headers gets 408;
     ``on_fatal`` is called if the engine thread dies (see :mod:`verispec.server.runner`);
     ``api_key_for_metrics_and_docs`` makes every route but ``/health`` require ``api_key``."""
     if api_key_for_metrics_and_docs and api_key is None:
@@ -136,15 +143,20 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
     app.state.runner = runner
     _add_error_handlers(app)
     app.add_middleware(_Gate, api_key=api_key, max_request_bytes=max_request_bytes,
-                       everywhere=api_key_for_metrics_and_docs)
+                       everywhere=api_key_for_metrics_and_docs, body_timeout_s=body_timeout_s)
     app.openapi = lambda: _openapi(app, secured=api_key is not None, everywhere=api_key_for_metrics_and_docs)
     service = _Service(runner, model_name, request_timeout_s, max_stream_backlog)
 
-    @app.get("/health", responses={503: {"description": "the engine thread has died (see `error`)"}})
+    @app.get("/health", responses={503: {"description": "the engine thread has died, or one engine step has run "
+                                                       "past its bound (see `error`)"}})
     async def health() -> JSONResponse:
-        if runner.alive:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "engine stopped", "error": runner.fatal}, status_code=503)
+        if not runner.alive:
+            return JSONResponse({"status": "engine stopped", "error": runner.fatal}, status_code=503)
+        stalled = runner.stalled_for()
+        if max_step_s is not None and stalled > max_step_s:
+            return JSONResponse({"status": "engine stalled", "error": f"an engine step has run for {stalled:.1f} s "
+                                 f"(the bound is {max_step_s:g} s)"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text exposition format"}})
@@ -198,16 +210,19 @@ def _error_response(e: APIError) -> JSONResponse:
 
 class _Gate:
     """Pure ASGI middleware. On ``/v1/`` it checks the API key, then reads the body up to
-    ``max_request_bytes`` (refused at once when ``Content-Length`` says it is larger), before
+    ``max_request_bytes`` (refused at once when ``Content-Length`` says it is larger) within
+    ``body_timeout_s``, before
     the app parses anything; with ``everywhere`` it checks the key on every other route but
     ``/health`` too. On every route it turns an unexpected exception into a logged 500 with the
     error envelope (or, once the response has started, lets the server close it)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int, everywhere: bool = False) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int, everywhere: bool = False,
+                 body_timeout_s: float | None = None) -> None:
         self.app = app
         self.expected = None if api_key is None else api_key.encode()
         self.max_request_bytes = max_request_bytes
         self.everywhere = everywhere
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -258,8 +273,14 @@ class _Gate:
         if length.isdigit() and int(length) > self.max_request_bytes:
             raise too_large
         chunks, size, more = [], 0, True
+        deadline = None if self.body_timeout_s is None else time.monotonic() + self.body_timeout_s
         while more:
-            message = await receive()
+            try:
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                message = await asyncio.wait_for(receive(), left)
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.body_timeout_s:g} s",
+                               code="request_timeout") from None
             if message["type"] == "http.disconnect":
                 return None
             chunks.append(message.get("body", b""))
@@ -288,6 +309,7 @@ _ERROR_DESCRIPTIONS = {
     400: "invalid request: malformed JSON, a wrong type or value, or a prompt too long for the context",
     401: "invalid or missing API key",
     404: "no such model",
+    408: "the request body did not arrive in time",
     413: "the request body is over the server's limit",
     429: "the waiting queue is full; retry after Retry-After seconds",
     500: "unexpected server error",
@@ -314,7 +336,7 @@ def _generation_responses(model: type, chunk: type) -> dict:
 
 def _openapi(app: FastAPI, secured: bool, everywhere: bool) -> dict:
     """FastAPI's OpenAPI document made to match the server: no 422 (validation errors are
-    400), the gate's 413 on ``/v1/`` routes and its 401 (with a key) on the routes it guards
+    400), the gate's 408 and 413 on ``/v1/`` routes and its 401 (with a key) on the routes it guards
     (``/v1/`` ones, or with ``everywhere`` all but ``/health``), 500 on every route."""
     if app.openapi_schema is not None:
         return app.openapi_schema
@@ -336,7 +358,7 @@ def _openapi(app: FastAPI, secured: bool, everywhere: bool) -> dict:
         for operation in operations.values():
             responses = operation["responses"]
             responses.pop("422", None)
-            for status in ([401] if keyed else []) + ([413] if sized else []) + [500]:
+            for status in ([401] if keyed else []) + ([408, 413] if sized else []) + [500]:
                 responses[str(status)] = {"description": _ERROR_DESCRIPTIONS[status], **error}
             if keyed:
                 operation["security"] = [{"bearer": []}]
@@ -501,10 +523,13 @@ class _Service:
         try:
             while not event.done:
                 get = asyncio.ensure_future(queue.get())
-                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({get, gone}, timeout=_time_left(request), return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
-                    return Response(status_code=499)  # nobody reads it; `finally` cancels
+                    if gone.done():
+                        return Response(status_code=499)  # nobody reads it; `finally` cancels
+                    event = _timed_out(self.runner, request)  # answered now, whatever the engine does
+                    break
                 event = get.result()
                 pieces.append(event.text)
                 logprobs.extend(event.logprobs)
@@ -525,7 +550,10 @@ class _Service:
             if reply.chat:
                 yield _sse(reply.chunk({"role": "assistant", "content": ""}))
             while not done:
-                event = await queue.get()
+                try:
+                    event = await asyncio.wait_for(queue.get(), _time_left(request))
+                except asyncio.TimeoutError:
+                    event = _timed_out(self.runner, request)  # answered now, whatever the engine does
                 done = event.done
                 if event.error is not None:
                     if event.text:
@@ -541,6 +569,19 @@ class _Service:
         finally:
             if not done:  # the client went away (the generator was cancelled or closed)
                 self.runner.cancel(request)
+
+
+def _time_left(request: EngineRequest) -> float | None:
+    """Seconds until ``request``'s deadline (None: it has none)."""
+    deadline = request.deadline
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
+def _timed_out(runner: EngineRunner, request: EngineRequest) -> Event:
+    """The deadline passed while the engine was busy: the request is cancelled as timed out (the
+    engine thread drops its work when its call returns) and answered with this event now."""
+    runner.cancel(request, "timeout")
+    return abort_event("timeout")
 
 
 async def _disconnected(http: Request) -> None:

@@ -56,6 +56,14 @@ class ServerConfig(BaseModel):
     max_queue: int = Field(64, ge=1, description="waiting requests before answering 429")
     max_request_bytes: int = Field(MAX_REQUEST_BYTES, ge=1, description="larger /v1 bodies get 413")
     request_timeout_s: float | None = Field(600.0, gt=0, description="arrival to last token; None: no limit")
+    max_step_s: float | None = Field(120.0, gt=0, description="/health is 503 while one engine step (a prompt's "
+                                     "prefill included) has run longer; None: never")
+    header_timeout_s: float = Field(10.0, gt=0, description="a connection whose request headers have not all "
+                                    "arrived this long after it opened (or after its last response) is closed")
+    body_timeout_s: float = Field(30.0, gt=0, description="a /v1 request body not all arrived this long after "
+                                  "its headers gets 408")
+    limit_concurrency: int | None = Field(512, ge=1, description="open connections and requests past which new "
+                                          "ones get 503; None: no limit")
     exit_on_fatal: bool = Field(False, description="exit with status 1 if the engine thread dies")
     # where it listens
     host: str = "127.0.0.1"

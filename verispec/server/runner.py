@@ -37,6 +37,12 @@ Every submitted request gets exactly one final event (``Event.done``), whatever 
 :meth:`EngineRunner.stop` stops admitting, lets running requests finish for a grace period,
 then aborts the rest.
 
+The engine thread keeps a heartbeat: :attr:`EngineRunner.busy_since` is when the engine call
+it is in (a prefill or a step) began, None between calls. ``/health`` reads it to say a step has
+run too long (:meth:`EngineRunner.stalled_for`); a request whose deadline passes meanwhile is
+answered by the HTTP side at its deadline (it cancels the request with reason ``timeout``), and
+the engine thread drops its work when the call returns.
+
 Metrics add up: every request counted in ``request_received`` is, at any time, exactly one of
 waiting (gauge), running (gauge), succeeded (``request_success``), aborted (``request_aborted``,
 by reason: cancelled, timeout, slow_reader, shutdown, error) or rejected (``request_rejected``,
@@ -119,7 +125,7 @@ _ABORTS = {
 }
 
 
-def _abort(why: str) -> Event:
+def abort_event(why: str) -> Event:
     status, message = _ABORTS[why]
     return Event(error=message, status=status, reason=why)
 
@@ -138,6 +144,7 @@ class EngineRunner:
         self._stopping = False
         self._deadline: float | None = None  # when stopping: abort what still runs after this
         self.fatal: str | None = None  # why the engine thread died, if it did
+        self.busy_since: float | None = None  # the heartbeat: when the running engine call began
         self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
 
     # ---- asyncio side ------------------------------------------------------------------------
@@ -171,7 +178,7 @@ class EngineRunner:
                 request.cancelled = reason
             if request in self._waiting:  # only the thread that takes a request out of the queue ends it
                 self._waiting.remove(request)
-                self._end(request, _abort(request.cancelled))  # counted before the gauge drops
+                self._end(request, abort_event(request.cancelled))  # counted before the gauge drops
                 self.metrics.waiting.set(len(self._waiting))
             self._cond.notify()
 
@@ -192,6 +199,11 @@ class EngineRunner:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.fatal is None
+
+    def stalled_for(self, now: float | None = None) -> float:
+        """Seconds the engine call in progress has run (0 between calls)."""
+        since = self.busy_since
+        return 0.0 if since is None else max((time.monotonic() if now is None else now) - since, 0.0)
 
     @property
     def num_active(self) -> int:
@@ -262,12 +274,12 @@ class EngineRunner:
                     self._waiting.remove(r)
                     gone.append((r, why))
         for r, why in gone:
-            self._end(r, _abort(why))
+            self._end(r, abort_event(why))
         for seq, r in list(self._running.items()):
             why = self._why_ended(r, now) or ("shutdown" if expired else None)
             if why is not None:
                 self.engine.abort(seq)
-                self._finish(seq, r, _abort(why))
+                self._finish(seq, r, abort_event(why))
         self._update_gauges()
 
     @staticmethod
@@ -286,7 +298,11 @@ class EngineRunner:
                 r = self._waiting.popleft()
                 self._update_gauges()
             try:
-                seq = self.engine.add_request(r.prompt_ids, r.params, r.num_speculative_tokens)
+                self.busy_since = time.monotonic()
+                try:
+                    seq = self.engine.add_request(r.prompt_ids, r.params, r.num_speculative_tokens)
+                finally:
+                    self.busy_since = None
             except Exception as e:  # the app validates first; this is a backstop
                 invalid = isinstance(e, ValueError)
                 if not invalid:
@@ -305,7 +321,11 @@ class EngineRunner:
 
     def _step(self) -> None:
         before = {seq: len(seq.output_ids) for seq in self._running}
-        texts = self.engine.step()
+        self.busy_since = time.monotonic()
+        try:
+            texts = self.engine.step()
+        finally:
+            self.busy_since = None
         for seq, r in list(self._running.items()):
             new = len(seq.output_ids) - before[seq]
             if new:

@@ -12,6 +12,12 @@ finish, and the app's lifespan then joins the engine thread.
 
 Serving on a non-loopback address without an API key logs a warning: anyone who can reach the
 port can then use the model.
+
+Connections are bounded (:func:`uvicorn_config`): one that has not sent a whole request's headers
+within ``header_timeout_s`` of opening, or of its last response, is closed (uvicorn closes an
+idle keep-alive connection, but one that trickles a byte now and then, or never sends one,
+would otherwise stay open for good); a body slower than ``body_timeout_s`` gets 408 (the app's
+gate); past ``limit_concurrency`` open connections and requests, uvicorn answers 503.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from verispec.runtime import set_threads
 from verispec.server.app import build_app
@@ -43,17 +50,58 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
 
+class HeaderDeadline(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+    """uvicorn's HTTP protocol with a deadline on each request's headers: armed when the
+    connection opens and when a response completes, it closes the connection if no request is
+    being served when it fires (its headers never all arrived)."""
+
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer = None
+        self._arm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_overdue)
+
+    def _headers_overdue(self) -> None:
+        self._header_timer = None
+        serving = self.cycle is not None and not self.cycle.response_complete
+        if not serving and not self.transport.is_closing():
+            self.transport.close()
+
+
+def uvicorn_config(app: FastAPI, *, header_timeout_s: float = 10.0, limit_concurrency: int | None = 512,
+                   **kwargs) -> uvicorn.Config:
+    """uvicorn's config for ``app`` with the connection bounds of the module doc."""
+    protocol = type("HeaderDeadline", (HeaderDeadline,), {"header_timeout_s": header_timeout_s})
+    return uvicorn.Config(app, http=protocol, limit_concurrency=limit_concurrency,
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **kwargs)
+
+
 class BackgroundServer:
     """An app served by uvicorn in a background thread on a free port of 127.0.0.1 (for tests
     and benchmarks). Use as a context manager; leaving it shuts the server down gracefully."""
 
-    def __init__(self, app, log_level: str = "warning") -> None:
+    def __init__(self, app, log_level: str = "warning", **bounds) -> None:
         self.app = app
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        config = uvicorn_config(app, log_level=log_level, **bounds)
         self.server = GracefulServer(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
@@ -90,8 +138,9 @@ def serve(config: ServerConfig) -> None:
             server.should_exit = True
 
     app = build_server_app(config, api_key=api_key, on_fatal=on_fatal)
-    server = GracefulServer(uvicorn.Config(app, host=config.host, port=config.port,
-                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    server = GracefulServer(uvicorn_config(app, header_timeout_s=config.header_timeout_s,
+                                           limit_concurrency=config.limit_concurrency, host=config.host,
+                                           port=config.port))
     server.run()
     if config.exit_on_fatal and app.state.runner.fatal is not None:
         raise SystemExit(1)
@@ -115,7 +164,8 @@ def build_server_app(config: ServerConfig, *, api_key: str | None, progress: boo
     everywhere = config.api_key_for_metrics_and_docs and api_key is not None
     return build_app(engine, config.name, api_key=api_key, api_key_for_metrics_and_docs=everywhere,
                      max_queue=config.max_queue, max_request_bytes=config.max_request_bytes,
-                     request_timeout_s=config.request_timeout_s, on_fatal=on_fatal)
+                     request_timeout_s=config.request_timeout_s, max_step_s=config.max_step_s,
+                     body_timeout_s=config.body_timeout_s, on_fatal=on_fatal)
 
 
 def is_loopback(host: str) -> bool:
