@@ -92,3 +92,29 @@ def test_no_adaptive_flag_restores_fixed_k():
     assert speculative_config_from_args(args).adaptive is False
     args = build_parser().parse_args(["generate", "m", "p", "--speculative-method", "ngram"])
     assert speculative_config_from_args(args).adaptive is True
+
+
+def parsed_spec(*flags: str):
+    return speculative_config_from_args(build_parser().parse_args(["generate", "m", "p", *flags]))
+
+
+def test_speculation_is_on_by_default_with_suffix_decoding_under_the_adaptive_controller():
+    for command in (["generate", "m", "p"], ["serve", "m"]):
+        cfg = speculative_config_from_args(build_parser().parse_args(command))
+        assert (cfg.method, cfg.num_speculative_tokens, cfg.adaptive) == ("suffix", 8, True)
+    assert (parsed_spec("--num-speculative-tokens", "3").method, parsed_spec("--num-speculative-tokens", "3")
+            .num_speculative_tokens) == ("suffix", 3)
+    assert parsed_spec("--no-adaptive").adaptive is False
+
+
+def test_no_speculation_opts_out_and_refuses_other_speculative_flags():
+    assert parsed_spec("--no-speculation") is None
+    with pytest.raises(ValueError, match="--no-speculation cannot be combined with --speculative-model"):
+        parsed_spec("--no-speculation", "--speculative-model", "d")
+
+
+def test_a_draft_model_runs_with_suffix_decoding_first_unless_told_otherwise():
+    assert parsed_spec("--speculative-model", "d").enable_suffix_decoding is True
+    cfg = parsed_spec("--speculative-config", '{"model": "d", "enable_suffix_decoding": false}')
+    assert (cfg.method, cfg.enable_suffix_decoding) == ("draft_model", False)
+    assert parsed_spec("--speculative-method", "ngram").method == "ngram"

@@ -81,8 +81,28 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    "whether the outputs are identical")
 
 
+# What `generate` and `serve` run with no speculative flag: model-free suffix decoding (over the
+# prompt, the answer so far and earlier answers) under the adaptive controller. Outputs are the
+# target's whatever drafts, so the default costs nothing in quality; where drafts do not pay the
+# controller stops drafting.
+DEFAULT_SPECULATIVE = {"method": "suffix", "num_speculative_tokens": 8}
+
+
 def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
-    """Merge ``--speculative-config`` with the shorthand flags (the shorthands win)."""
+    """Merge ``--speculative-config`` with the shorthand flags (the shorthands win). Where nothing
+    names a method or a draft model, :data:`DEFAULT_SPECULATIVE` fills in (so no flag at all
+    means suffix decoding); with ``--no-speculation``, None (plain). A
+    draft model given without a method runs with suffix decoding first (the hybrid,
+    :mod:`verispec.speculative.hybrid`) unless the config says ``enable_suffix_decoding``."""
+    given = [flag for flag, value in (("--speculative-config", args.speculative_config),
+                                      ("--speculative-model", args.speculative_model),
+                                      ("--num-speculative-tokens", args.num_speculative_tokens),
+                                      ("--speculative-method", args.speculative_method),
+                                      ("--adaptive/--no-adaptive", args.adaptive)) if value is not None]
+    if args.no_speculation:
+        if given:
+            raise ValueError(f"--no-speculation cannot be combined with {', '.join(given)}")
+        return None
     data: dict = {}
     if args.speculative_config:
         try:
@@ -99,8 +119,10 @@ def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig 
         data["method"] = args.speculative_method
     if args.adaptive is not None:
         data["adaptive"] = args.adaptive
-    if not data:
-        return None
+    if "method" not in data and not data.get("model"):  # nothing says what drafts: the default does
+        data = {**DEFAULT_SPECULATIVE, **data}
+    if data.get("model") is not None and data.get("method", "draft_model") == "draft_model":
+        data.setdefault("enable_suffix_decoding", True)
     return SpeculativeConfig.from_dict(data)
 
 
@@ -251,6 +273,10 @@ def _add_speculative_flags(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
                       help="choose k each round from measured costs, up to --num-speculative-tokens "
                       "(default on); --no-adaptive drafts exactly that many every round")
+    spec.add_argument("--no-speculation", action="store_true",
+                      help="plain decoding (default without other speculative flags: suffix decoding under "
+                      "the adaptive controller, which drafts only where it pays; outputs are identical "
+                      "either way)")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
