@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import threading
 import time
 
 import openai
@@ -197,3 +198,26 @@ def test_a_stalled_step_turns_health_503_and_its_requests_get_504_at_their_deadl
         wait_idle(live)
         assert live.runner.metrics.aborted.labels(reason="timeout")._value.get() == 2
         assert health() == (200, {"status": "ok"})
+
+
+def test_a_request_being_prefilled_counts_as_running():
+    with make_server() as live:
+        metrics = live.runner.metrics
+        add = live.runner.engine.add_request
+
+        def slow_add(*args, **kwargs):
+            time.sleep(1.0)
+            return add(*args, **kwargs)
+
+        live.runner.engine.add_request = slow_add
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+        done = threading.Thread(target=lambda: client.completions.create(model="tiny", prompt="p", max_tokens=2))
+        done.start()
+        deadline = time.monotonic() + 10
+        while metrics.received._value.get() < 1 or live.runner.busy_since is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert (gauge(metrics.waiting), gauge(metrics.running)) == (0, 1)  # in the prefill, not lost between
+        done.join()
+        wait_idle(live)
+        assert (gauge(metrics.waiting), gauge(metrics.running)) == (0, 0)

@@ -44,7 +44,7 @@ answered by the HTTP side at its deadline (it cancels the request with reason ``
 the engine thread drops its work when the call returns.
 
 Metrics add up: every request counted in ``request_received`` is, at any time, exactly one of
-waiting (gauge), running (gauge), succeeded (``request_success``), aborted (``request_aborted``,
+waiting (gauge), running (gauge; a request being prefilled counts as running), succeeded (``request_success``), aborted (``request_aborted``,
 by reason: cancelled, timeout, slow_reader, shutdown, error) or rejected (``request_rejected``,
 by reason: queue_full, shutting_down, engine_dead, invalid).
 """
@@ -145,6 +145,7 @@ class EngineRunner:
         self._deadline: float | None = None  # when stopping: abort what still runs after this
         self.fatal: str | None = None  # why the engine thread died, if it did
         self.busy_since: float | None = None  # the heartbeat: when the running engine call began
+        self._prefilling = 0  # requests taken off the queue whose prefill has not returned (0 or 1)
         self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
 
     # ---- asyncio side ------------------------------------------------------------------------
@@ -296,6 +297,7 @@ class EngineRunner:
                 if not self._waiting:
                     return
                 r = self._waiting.popleft()
+                self._prefilling = 1
                 self._update_gauges()
             try:
                 self.busy_since = time.monotonic()
@@ -303,12 +305,14 @@ class EngineRunner:
                     seq = self.engine.add_request(r.prompt_ids, r.params, r.num_speculative_tokens)
                 finally:
                     self.busy_since = None
+                    self._prefilling = 0
             except Exception as e:  # the app validates first; this is a backstop
                 invalid = isinstance(e, ValueError)
                 if not invalid:
                     log.exception("admitting a request failed")
                 error = str(e) if invalid else f"internal engine error: admission failed: {type(e).__name__}: {e}"
                 self._end(r, Event(error=error, status=400 if invalid else 500, reason="invalid" if invalid else "error"))
+                self._update_gauges()
                 continue
             now = time.monotonic()
             self.metrics.ttft.observe(now - r.arrival)
@@ -371,4 +375,4 @@ class EngineRunner:
 
     def _update_gauges(self) -> None:
         self.metrics.waiting.set(len(self._waiting))
-        self.metrics.running.set(len(self._running))
+        self.metrics.running.set(len(self._running) + self._prefilling)
