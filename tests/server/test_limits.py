@@ -234,3 +234,34 @@ def test_the_heap_is_frozen_while_servers_run_and_unfrozen_after_the_last():
     done = subprocess.run([sys.executable, "-c", FREEZE_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("checked"), done.stderr[-3000:]
+
+
+def test_a_small_request_never_waits_behind_large_prompts_being_tokenized():
+    """Eight large prompts whose tokenization takes a second each (more than the worker threads
+    any shared pool would have) are queued in a pool of their own; a small request sent after
+    them is answered at once."""
+    from verispec.server.app import LARGE_PROMPT_CHARS
+
+    with make_server() as live:
+        tokenizer = live.runner.engine.target.tokenizer
+        encode = tokenizer.encode
+
+        def slow_encode(text, *args, **kwargs):
+            if len(text) > LARGE_PROMPT_CHARS:
+                time.sleep(1.0)
+            return encode(text[:20], *args, **kwargs)
+
+        tokenizer.encode = slow_encode
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        large = [threading.Thread(target=client.completions.create,
+                                  kwargs=dict(model="tiny", prompt="a" * (LARGE_PROMPT_CHARS + 1), max_tokens=2))
+                 for _ in range(8)]
+        for t in large:
+            t.start()
+        time.sleep(0.3)  # every large one has arrived
+        t0 = time.monotonic()
+        small = client.completions.create(model="tiny", prompt="small", max_tokens=2)
+        assert small.usage.completion_tokens >= 1
+        assert time.monotonic() - t0 < 0.8  # not behind a second of tokenization
+        for t in large:
+            t.join()

@@ -17,7 +17,8 @@ oversized body costs more than its headers and the bytes up to the limit. With
 ``api_key_for_metrics_and_docs`` the key guards every other route too (``/metrics``, ``/docs``,
 ``/redoc``, ``/openapi.json``) but ``/health``, which liveness probes call without one.
 Tokenization runs in a worker thread: the size limit bounds its work, and the event loop
-(``/health``, streams) stays responsive meanwhile. Only a token-id prompt is refused for length
+(``/health``, streams) stays responsive meanwhile; large prompts have a pool of their own, so
+that a small request never waits behind them. Only a token-id prompt is refused for length
 before that: a token may span many characters and a normalizer may drop some, so no character
 count proves a text prompt too long for the context.
 
@@ -45,6 +46,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -76,6 +78,13 @@ DEFAULT_MAX_STEP_S = 120.0
 DEFAULT_BODY_TIMEOUT_S = 30.0  # a /v1 body's arrival after its headers; then 408
 MAX_STREAM_BACKLOG = 256  # unread stream events after which a slow reader's request is cancelled
 _ERROR_TYPES = {400: "invalid_request_error", 499: "cancelled", 503: "service_unavailable", 504: "timeout"}
+# Tokenization runs in two pools (threads are shared by every app in the process): prompts over
+# LARGE_PROMPT_CHARS characters in a small one of their own, the rest in another, so small
+# requests never queue behind large ones, and large ones cannot take every core.
+LARGE_PROMPT_CHARS = 64 * 1024
+LARGE_PROMPT_WORKERS = 1
+_SMALL_PROMPTS = ThreadPoolExecutor(4, thread_name_prefix="verispec-tokenize")
+_LARGE_PROMPTS = ThreadPoolExecutor(LARGE_PROMPT_WORKERS, thread_name_prefix="verispec-tokenize-large")
 
 
 _serving = 0  # servers of this process between their start and their stop
@@ -173,14 +182,14 @@ def build_app(engine: Engine, model_name: str, *, api_key: str | None = None,
                                                                   protocol.CompletionChunk))
     async def completions(body: CompletionRequest, http: Request) -> Response:
         service.check(body)
-        prompt_ids = await asyncio.to_thread(service.completion_prompt, body)
+        prompt_ids = await service.tokenize(service.completion_prompt, body)
         return await service.handle(body, http, prompt_ids, chat=False)
 
     @app.post("/v1/chat/completions", responses=_generation_responses(protocol.ChatCompletionResponse,
                                                                        protocol.ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Response:
         service.check(body)
-        prompt_ids = await asyncio.to_thread(service.chat_prompt, body)
+        prompt_ids = await service.tokenize(service.chat_prompt, body)
         return await service.handle(body, http, prompt_ids, chat=True)
 
     return app
@@ -379,6 +388,14 @@ class _Service:
 
     # ---- prompts -----------------------------------------------------------------------------
 
+    async def tokenize(self, prompt: Callable[[protocol.SamplingRequest], list[int]],
+                       body: protocol.SamplingRequest) -> list[int]:
+        """``prompt(body)`` in a worker thread: a request whose text is over ``LARGE_PROMPT_CHARS``
+        in its own pool of ``LARGE_PROMPT_WORKERS`` threads, so that however many large prompts
+        are being tokenized, a small one never waits behind them."""
+        pool = _LARGE_PROMPTS if _text_size(body) > LARGE_PROMPT_CHARS else _SMALL_PROMPTS
+        return await asyncio.get_running_loop().run_in_executor(pool, prompt, body)
+
     def check(self, body: protocol.SamplingRequest) -> None:
         """The cheap checks, before the prompt is tokenized."""
         if body.model is not None and body.model != self.model_name:
@@ -569,6 +586,15 @@ class _Service:
         finally:
             if not done:  # the client went away (the generator was cancelled or closed)
                 self.runner.cancel(request)
+
+
+def _text_size(body: protocol.SamplingRequest) -> int:
+    """Characters of text a request asks to tokenize (its prompt, or its messages and tools)."""
+    if isinstance(body, CompletionRequest):
+        return len(body.prompt) if isinstance(body.prompt, str) else 0
+    size = sum(len(m.text() or "") + sum(len(c.function.arguments) for c in m.tool_calls or ())
+               for m in body.messages)
+    return size + sum(len(json.dumps(t.function.parameters or {})) for t in body.tools or ())
 
 
 def _time_left(request: EngineRequest) -> float | None:
