@@ -108,3 +108,50 @@ def test_an_assistant_calls_arguments_reach_the_template_as_an_object():
                                                  "function": {"name": "f", "arguments": "[1, 2]"}}]}]
     with pytest.raises(ValueError, match=r"messages\.0\.tool_calls\.0\.function\.arguments"):
         template_messages(bad)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+             "required": ["a", "b"]}}}]
+
+
+@pytest.fixture(scope="module")
+def matcher_for(smollm):
+    """An llguidance matcher on SmolLM2's real vocabulary for a Lark grammar."""
+    import llguidance.hf
+    from llguidance import LLMatcher
+
+    tokenizer = llguidance.hf.from_tokenizer(smollm.tokenizer.hf)
+
+    def build(grammar: str):
+        matcher = LLMatcher(tokenizer, LLMatcher.grammar_from_lark(grammar), log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher
+    return build
+
+
+def accepts(matcher, ids: list[int]) -> bool:
+    return matcher.validate_tokens(ids) == len(ids) and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize(("family", "text"), [("hermes", HERMES[len("Let me check.\n"):]),
+                                               ("mistral", MISTRAL[len("Checking. "):]),
+                                               ("llama3_json", LLAMA3[len("<|python_tag|>"):])])
+def test_the_grammar_of_a_required_call_accepts_what_its_parser_reads_as_calls(smollm, matcher_for, family, text):
+    """What a family's grammar lets a model write parses back into calls with valid arguments,
+    and a call to a function that is not offered, or with arguments off their schema, is
+    refused."""
+    parser = PARSERS[family]()
+    parallel = family != "llama3_json"
+    encode = smollm.tokenizer.encode
+    assert accepts(matcher_for(parser.grammar(TOOLS, parallel)), encode(text, add_special_tokens=False))
+    content, got = parser.parse(text)
+    assert content is None and calls(got) == (EXPECTED if parallel else EXPECTED[:1])
+    wrong_name = text.replace("get_weather", "get_time")
+    assert not accepts(matcher_for(parser.grammar(TOOLS, parallel)), encode(wrong_name, add_special_tokens=False))
+    wrong_args = text.replace('"Paris"', "12")
+    assert not accepts(matcher_for(parser.grammar(TOOLS, parallel)), encode(wrong_args, add_special_tokens=False))
+    if family == "hermes":  # one call only without parallel calls
+        assert not accepts(matcher_for(parser.grammar(TOOLS, False)), encode(text, add_special_tokens=False))

@@ -26,6 +26,12 @@ Families (:func:`parser_for` picks one from the template's text):
 
 Text that looks like a call but is not valid JSON with a string ``name`` and an object of
 arguments stays content, unchanged: the client sees what the model wrote.
+
+``tool_choice: "required"`` or a named function constrains the answer to calls in the family's
+format (:meth:`ToolParser.grammar`: a Lark grammar, each call's JSON under a schema that allows
+the chosen functions' names, each with its own arguments' schema). Decoding under a grammar
+stays exact (:mod:`verispec.constraints`), so such an answer is the target's distribution
+conditioned on being a valid call.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ToolCall", "ToolParser", "ToolCallStream", "PARSERS", "parser_for", "template_messages"]
+__all__ = ["ToolCall", "ToolParser", "ToolCallStream", "PARSERS", "call_schema", "parser_for", "template_messages"]
 
 
 @dataclass(frozen=True)
@@ -78,10 +84,32 @@ def _held_prefix(text: str, marker: str) -> int:
     return 0
 
 
+# The JSON of a constrained call: the separators the templates write, no free whitespace.
+CALL_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def call_schema(tools: Sequence[Mapping[str, Any]], arguments_key: str = "arguments") -> dict:
+    """JSON schema of one call to any of ``tools`` (OpenAI's function tools): its ``name`` one
+    of theirs, its arguments under that function's ``parameters`` (any object where none)."""
+    options = []
+    for tool in tools:
+        function = tool["function"]
+        options.append({"type": "object",
+                        "properties": {"name": {"const": function["name"]},
+                                       arguments_key: function.get("parameters") or {"type": "object"}},
+                        "required": ["name", arguments_key], "additionalProperties": False})
+    return {"anyOf": options, "x-guidance": CALL_JSON_OPTIONS}
+
+
 class ToolParser:
     """Reads one template family's calls out of generated text (see the module doc)."""
 
     name = ""
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> str:
+        """A Lark grammar (llguidance's dialect) of an answer that is only calls to ``tools``:
+        one, or with ``parallel`` one or more."""
+        raise NotImplementedError
 
     def split(self, buffer: str, final: bool) -> tuple[list[str | ToolCall], str]:
         """The content pieces and calls at the start of ``buffer`` that are settled, in order,
@@ -143,6 +171,12 @@ class HermesParser(ToolParser):
     name = "hermes"
     start, end = "<tool_call>", "</tool_call>"
 
+    def grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> str:
+        more = ' ("\\n" call)*' if parallel else ""
+        return (f"start: call{more}\n"
+                f"call: {json.dumps(self.start + chr(10))} body {json.dumps(chr(10) + self.end)}\n"
+                f"body: %json {json.dumps(call_schema(tools))}")
+
     def split(self, buffer: str, final: bool) -> tuple[list[str | ToolCall], str]:
         items: list[str | ToolCall] = []
         while buffer:
@@ -171,6 +205,14 @@ class MistralParser(ToolParser):
     name = "mistral"
     marker = "[TOOL_CALLS]"
 
+    def grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> str:
+        one = call_schema(tools)
+        schema = {"type": "array", "items": {"anyOf": one["anyOf"]}, "minItems": 1,
+                  "x-guidance": CALL_JSON_OPTIONS}
+        if not parallel:
+            schema["maxItems"] = 1
+        return f"start: {json.dumps(self.marker)} body\nbody: %json {json.dumps(schema)}"
+
     def split(self, buffer: str, final: bool) -> tuple[list[str | ToolCall], str]:
         at = buffer.find(self.marker)
         if at < 0:
@@ -191,6 +233,9 @@ class MistralParser(ToolParser):
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     tag = "<|python_tag|>"
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]], parallel: bool = True) -> str:
+        return f"start: body\nbody: %json {json.dumps(call_schema(tools, 'parameters'))}"  # one call a turn
 
     def split(self, buffer: str, final: bool) -> tuple[list[str | ToolCall], str]:
         head = buffer.lstrip()
