@@ -204,6 +204,8 @@ def test_float_parts_beside_quantized_parts_equal_their_separate_products():
         for inp, kw in ((x, {}), (x2, {"glu": True}), (x, {"norm": norm})):
             fused = kernels.matmul(inp, parts, isa, **kw)
             assert torch.equal(fused, torch.cat([kernels.matmul(inp, [p], isa, **kw) for p in parts], dim=1)), (isa, kw)
+    half = x.to(torch.bfloat16)  # read as its exact float32 values, by the float parts too
+    assert torch.equal(kernels.matmul(half, parts), kernels.matmul(half.float(), parts))
 
 
 @needs_kernels

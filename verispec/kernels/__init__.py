@@ -309,8 +309,8 @@ def matmul(x: Tensor, weights: list[PackedWeight], isa: str | None = None, *, bi
     multiplies ``RMSNorm(x) * weight``. Fusing them saves the separate PyTorch ops and their
     memory traffic in a decode step.
 
-    Activations are quantized once, for all the weights, and one parallel region covers all
-    their tiles. ``isa`` forces a path (``scalar``, ``avx2``, ``avxvnni``, ``avx512``, ``amx``;
+    Activations are quantized once, for all the quantized weights (float weights, F32, F16 and
+    BF16, read them in float32), and one parallel region covers all their tiles. ``isa`` forces a path (``scalar``, ``avx2``, ``avxvnni``, ``avx512``, ``amx``;
     tests use it); None picks the fastest this CPU runs for the row count.
     """
     if x.dim() != 2:
