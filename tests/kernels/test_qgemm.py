@@ -45,7 +45,10 @@ QUANT_FORMATS = [f for f in FORMATS if f not in FLOAT_FORMATS]
 def float_rows(fmt: str, values: np.ndarray) -> np.ndarray:
     """Raw GGUF data [n, bytes per row] of float32 ``values`` [n, k] stored as ``fmt`` (F32, F16, BF16)."""
     values = np.ascontiguousarray(values, dtype=np.float32)
-    raw = values.astype(np.float16) if fmt == "F16" else values if fmt == "F32" else quants.quantize(values, GGMLQuantizationType.BF16)
+    if fmt == "BF16":
+        raw = quants.quantize(values, GGMLQuantizationType.BF16)
+    else:
+        raw = values.astype(np.float16) if fmt == "F16" else values
     return raw.view(np.uint8).reshape(values.shape[0], -1)
 
 

@@ -310,8 +310,9 @@ def matmul(x: Tensor, weights: list[PackedWeight], isa: str | None = None, *, bi
     memory traffic in a decode step.
 
     Activations are quantized once, for all the quantized weights (float weights, F32, F16 and
-    BF16, read them in float32), and one parallel region covers all their tiles. ``isa`` forces a path (``scalar``, ``avx2``, ``avxvnni``, ``avx512``, ``amx``;
-    tests use it); None picks the fastest this CPU runs for the row count.
+    BF16, read them in float32), and one parallel region covers all their tiles. ``isa`` forces
+    a path (``scalar``, ``avx2``, ``avxvnni``, ``avx512``, ``amx``; tests use it); None picks the
+    fastest this CPU runs for the row count.
     """
     if x.dim() != 2:
         raise KernelError(f"matmul takes x [M, K], got shape {tuple(x.shape)}")
