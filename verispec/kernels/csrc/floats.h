@@ -15,6 +15,11 @@
 //
 // Packed layout. Columns in tiles of 16, each tile stored k-major:
 //   [N/16 tiles][K][16 cols] elements of the file's own type (F32 4 bytes, F16 and BF16 2)
+// One F16 tile (columns n0 .. n0 + 15), byte offsets:
+//   0:  w[n0, 0]  w[n0+1, 0]  ...  w[n0+15, 0]     32 bytes: one ymm, vcvtph2ps -> one zmm
+//   32: w[n0, 1]  w[n0+1, 1]  ...  w[n0+15, 1]
+//   ...
+//   32 (K-1): w[n0, K-1]  ...  w[n0+15, K-1]      the next tile follows
 // so one k of one tile is one contiguous vector load (64 bytes of F32, 32 of F16 or BF16) that
 // feeds 16 columns, reused across every row in the pass. The packed weight is exactly the
 // file's size. K must be a multiple of 32, as for the quantized formats (a fused input is made
@@ -30,9 +35,9 @@ enum FloatFormat : int { F32 = 0, F16 = 1, BF16 = 30 };  // ggml's type ids
 static inline bool is_float_format(int fmt) { return fmt == F32 || fmt == F16 || fmt == BF16; }
 static inline int float_bytes(int fmt) { return fmt == F32 ? 4 : 2; }
 
-// Rows are run in blocks of at most this many per pass over a run of k, and k in runs of
-// kFloatKRun, so that the tiles' run of weights is read from memory once and from L1 by the
-// row blocks after the first (two F32 tiles: 2 x 128 x 64 bytes = 16 KB).
+// The loops take k in runs of this many, each run through every block of rows, so that the run's
+// weights come from memory once and from L1 for the row blocks after the first (two F32 tiles:
+// 2 x 128 x 64 bytes = 16 KB). The accumulators are stored between runs: an exact store and load.
 constexpr int64_t kFloatKRun = 128;
 
 // nt (1 or 2) adjacent tiles, starting at w (tile_bytes = K * 16 * float_bytes apart), against
