@@ -199,15 +199,17 @@ def _retyped_copy(src: Path, dst: Path, retype: dict[str, str], seed: int = 0) -
 
 
 def test_tensors_in_every_kernel_format_load_as_native_layers(tmp_path):
-    """A file holding the formats no bundled model has (SmolLM2's tensors retyped) loads with no
-    dense layer left, each weight the file's own (gguf's dequantization, bit for bit)."""
+    """A file holding the formats no bundled model has (SmolLM2's tensors retyped, float tensors
+    among quantized ones too) loads with no dense layer left, each weight the file's own (gguf's
+    dequantization, bit for bit)."""
     from verispec.models.native import use_gguf_weights_
 
     name = "smollm2-135m-instruct"
     # hidden 576 takes the 32-wide formats; the down projections (k = 1536) the 256-wide ones
     retype = {"blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q5_1", "blk.0.attn_v.weight": "IQ4_NL",
               "blk.0.ffn_down.weight": "Q5_K", "blk.1.ffn_down.weight": "Q3_K", "blk.2.ffn_down.weight": "Q2_K",
-              "blk.3.ffn_down.weight": "IQ4_XS"}
+              "blk.3.ffn_down.weight": "IQ4_XS", "blk.4.attn_v.weight": "BF16", "blk.4.ffn_down.weight": "F16",
+              "blk.5.attn_output.weight": "F32"}
     path = tmp_path / "retyped.gguf"
     _retyped_copy(fetch(name, progress=False), path, retype)
     model = load_model(name, progress=False, quantization="none").model
@@ -217,7 +219,9 @@ def test_tensors_in_every_kernel_format_load_as_native_layers(tmp_path):
     infos = {t.name: t for t in header.tensors}
     layers = {"blk.0.attn_q.weight": (model.layers[0].qkv, 0), "blk.0.attn_k.weight": (model.layers[0].qkv, 1),
               "blk.0.attn_v.weight": (model.layers[0].qkv, 2)}
-    layers |= {f"blk.{i}.ffn_down.weight": (model.layers[i].down, 0) for i in range(4)}
+    layers |= {f"blk.{i}.ffn_down.weight": (model.layers[i].down, 0) for i in range(5)}
+    layers |= {"blk.4.attn_v.weight": (model.layers[4].qkv, -1),  # after q and k, joined if of one type
+               "blk.5.attn_output.weight": (model.layers[5].o_proj, 0)}
     for tensor, fmt in retype.items():
         layer, i = layers[tensor]
         assert isinstance(layer, NativeLinear) and layer.parts[i].fmt == kernels.FORMATS[fmt], tensor

@@ -1,8 +1,9 @@
 """The native kernels' contract: gguf-exact weights, and rows bit-identical for every row count,
 thread count and ISA path.
 
-Weights here are random GGUF blocks (every byte random, the fp16 scales made finite), repacked
-by the kernels; the real models' tensors are checked in ``test_gguf_models.py``.
+Weights here are random GGUF blocks (every byte random, the fp16 scales made finite), or for the
+float formats (F32, F16, BF16) random normal values in the file's type, repacked by the kernels;
+the real models' tensors are checked in ``test_gguf_models.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from gguf import GGMLQuantizationType, quants
 from gguf.constants import GGML_QUANT_SIZES
 
 from verispec import kernels
-from verispec.kernels import FORMATS, KernelError
+from verispec.kernels import FLOAT_FORMATS, FORMATS, KernelError
 
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason="native kernels unavailable (no compiler)")
 
@@ -38,9 +39,24 @@ _FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q2_K": (80, 82), "Q6_K": (208,)
                 "Q5_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,)}
 
 
+QUANT_FORMATS = [f for f in FORMATS if f not in FLOAT_FORMATS]
+
+
+def float_rows(fmt: str, values: np.ndarray) -> np.ndarray:
+    """Raw GGUF data [n, bytes per row] of float32 ``values`` [n, k] stored as ``fmt`` (F32, F16, BF16)."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if fmt == "BF16":
+        raw = quants.quantize(values, GGMLQuantizationType.BF16)
+    else:
+        raw = values.astype(np.float16) if fmt == "F16" else values
+    return raw.view(np.uint8).reshape(values.shape[0], -1)
+
+
 def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """Raw GGUF data [n, bytes per row] for a random [n, k] weight of type ``fmt``."""
     rng = np.random.default_rng(seed)
+    if fmt in FLOAT_FORMATS:
+        return float_rows(fmt, rng.standard_normal((n, k)) * 0.5)
     block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
     raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
     for off in _FP16_FIELDS[fmt]:
@@ -75,8 +91,12 @@ def test_repacked_weight_equals_gguf_dequantization(fmt):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @needs_kernels
 def test_rows_are_bit_identical_for_every_row_count_thread_count_and_isa(fmt):
-    # 32-wide formats run 8 superblocks per kernel call: 19 of them leave a group of 3
+    # 32-wide formats run 8 superblocks per kernel call: 19 of them leave a group of 3. The float
+    # formats run two tiles a step where a thread's chunk has them: 11 tiles make chunks of 1 to 3
+    # on 1 and 2 threads, so pairs and single tiles; K past their runs of 128 k
     n, k = 64, (512 if GGML_QUANT_SIZES[GGMLQuantizationType[fmt]][0] == 256 else 19 * 32)
+    if fmt in FLOAT_FORMATS:
+        n = 11 * 16
     w = kernels.repack(FORMATS[fmt], random_blocks(fmt, n, k, seed=1), n, k)
     x = torch.randn(33, k, generator=torch.Generator().manual_seed(2)) * 3
     # the definition: each row alone, through the scalar reference, on one thread
@@ -88,7 +108,7 @@ def test_rows_are_bit_identical_for_every_row_count_thread_count_and_isa(fmt):
                 assert torch.equal(got, alone[:m]), f"{fmt} {isa} threads={threads} M={m}"
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
 @needs_kernels
 def test_extreme_weights_and_activations_give_the_scalar_bits(fmt):
     """The integer sums' worst cases: every stored weight at its largest or smallest (all bits
@@ -130,6 +150,65 @@ def test_matmul_approximates_the_float_product(fmt):
     exact = x.double() @ torch.from_numpy(gguf_weight(fmt, raw, n, k)).double().T
     got = kernels.matmul(x, [w]).double()
     assert ((got - exact).norm() / exact.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("fmt", list(FLOAT_FORMATS))
+@needs_kernels
+def test_float_weights_extremes_give_the_scalar_bits(fmt):
+    """Float weights at the type's extremes (its largest finite values, subnormals, signed zeros)
+    against activations whose products underflow to subnormals or round at float32's top: every
+    path equals the scalar reference bit for bit, for a pass of 1, 2, 3 and 16 rows (the SIMD
+    paths' row blocks and tile pairs)."""
+    n, k = 144, 256
+    info = np.finfo(np.float16) if fmt == "F16" else np.finfo(np.float32)
+    big = float(info.max) if fmt != "BF16" else 3.3e38  # BF16 rounds to 3.3895e38, finite
+    tiny = float(info.smallest_subnormal)
+    rng = np.random.default_rng(9)
+    values = rng.choice(np.array([big, -big, tiny, -tiny, 0.0, -0.0, 1.0, -1.5], dtype=np.float32), size=(n, k))
+    values[::3] = rng.standard_normal((len(values[::3]), k))
+    w = kernels.repack(FORMATS[fmt], float_rows(fmt, values), n, k)
+    x = torch.from_numpy(rng.choice(np.array([1e-30, -1e-30, 1e-3, 0.7, -2.0], dtype=np.float32), size=(16, k)))
+    x[:, ::7] = 0.0
+    alone = torch.cat([kernels.matmul(x[i : i + 1], [w], "scalar") for i in range(16)])
+    assert (alone == 0).logical_not().any()
+    for isa in kernels.supported_isas():
+        for m in (1, 2, 3, 16):
+            got = with_threads(1, lambda: kernels.matmul(x[:m], [w], isa))  # chunks of 2 and 3 tiles
+            assert torch.equal(got.view(torch.int32), alone[:m].view(torch.int32)), f"{fmt} {isa} M={m}"
+
+
+@pytest.mark.parametrize("fmt", list(FLOAT_FORMATS))
+@needs_kernels
+def test_float_weights_match_the_float64_product(fmt):
+    """Float weights multiply float32 activations with no quantization: one float32 chain per
+    output over k = 2,048, a relative error in the float32 rounding range."""
+    n, k = 64, 2048
+    raw = random_blocks(fmt, n, k, seed=10)
+    w = kernels.repack(FORMATS[fmt], raw, n, k)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(11))
+    exact = x.double() @ torch.from_numpy(gguf_weight(fmt, raw, n, k)).double().T
+    got = kernels.matmul(x, [w]).double()
+    assert ((got - exact).norm() / exact.norm()).item() < 1e-5
+
+
+@needs_kernels
+def test_float_parts_beside_quantized_parts_equal_their_separate_products():
+    """A layer may hold float tensors beside quantized ones (a quantized file's F16 tensor in a fused
+    q/k/v): one call quantizes the input for the quantized parts and gives the float parts its
+    float32 rows, fused inputs (glu, norm) included, and writes each part's columns as its own
+    call would, on every path."""
+    k = 256
+    parts = [kernels.repack(FORMATS[f], random_blocks(f, n, k, seed=i), n, k)
+             for i, (f, n) in enumerate([("F16", 48), ("Q4_K", 32), ("BF16", 16), ("F32", 32), ("Q8_0", 16)])]
+    gen = torch.Generator().manual_seed(12)
+    x, x2 = torch.randn(9, k, generator=gen), torch.randn(9, 2 * k, generator=gen)
+    norm = (torch.rand(k, generator=gen) + 0.5, 1e-6)
+    for isa in kernels.supported_isas():
+        for inp, kw in ((x, {}), (x2, {"glu": True}), (x, {"norm": norm})):
+            fused = kernels.matmul(inp, parts, isa, **kw)
+            assert torch.equal(fused, torch.cat([kernels.matmul(inp, [p], isa, **kw) for p in parts], dim=1)), (isa, kw)
+    half = x.to(torch.bfloat16)  # read as its exact float32 values, by the float parts too
+    assert torch.equal(kernels.matmul(half, parts), kernels.matmul(half.float(), parts))
 
 
 @needs_kernels
@@ -175,7 +254,9 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(KernelError, match="features"):
         kernels.matmul(torch.randn(2, 32), [w])
     with pytest.raises(KernelError, match="not run by the native kernels"):
-        kernels.check_format(1, 16, 64)  # F16
+        kernels.check_format(16, 16, 64)  # IQ2_XXS
+    with pytest.raises(KernelError, match="multiples of 32"):
+        kernels.check_format(FORMATS["F16"], 16, 48)
     with pytest.raises(KernelError, match="multiples of 16"):
         kernels.check_format(FORMATS["Q8_0"], 20, 64)
     with pytest.raises(KernelError, match="multiples of 256"):
@@ -210,14 +291,16 @@ def test_fused_inputs_and_residual():
         kernels.matmul(x2, [w], glu=True, norm=(nw, eps))
 
 
+@pytest.mark.parametrize("fmt", ["Q4_K", "F16"])
 @pytest.mark.parametrize("fused", ["plain", "glu", "norm"])
 @needs_kernels
-def test_layer_inputs_are_bit_identical_for_every_isa_thread_count_and_row_count(fused):
-    """The input blocks are made and quantized in parallel, by the AVX2 code on every path but the
-    scalar one: each row must still be the scalar path's row made alone on one thread, also where
-    the gate's exp clamps (|x| > 87), a block is all zeros, or a value is NaN or infinite."""
+def test_layer_inputs_are_bit_identical_for_every_isa_thread_count_and_row_count(fused, fmt):
+    """The input blocks are made (and for a quantized weight quantized) in parallel, by the AVX2
+    code on every path but the scalar one: each row must still be the scalar path's row made alone
+    on one thread, also where the gate's exp clamps (|x| > 87), a block is all zeros, or a value
+    is NaN or infinite."""
     n, k = 32, 2048
-    w = kernels.repack(FORMATS["Q4_K"], random_blocks("Q4_K", n, k, seed=7), n, k)
+    w = kernels.repack(FORMATS[fmt], random_blocks(fmt, n, k, seed=7), n, k)
     gen = torch.Generator().manual_seed(8)
     width = 2 * k if fused == "glu" else k
     x = torch.randn(33, width, generator=gen) * 4

@@ -12,6 +12,11 @@
   unscaled), so the reference is transformers' Llama on the file's weights, whose config carries
   the ``llama3`` rope_scaling the tensor was computed from.
 
+* A float GGUF (Llama): every weight matrix, the embedding table (also the tied LM head)
+  included, in F16, BF16 or F32 in turn. The kernels run them in float32 (no activation
+  quantization), so the native load must equal the dense float32 one up to summation order, and
+  it must load with no dense layer and no warning.
+
 Weights are random, in the quantized types the native kernels run that gguf-py can write (Q8_0,
 Q5_0, Q4_1; it has no K-quant quantizer), so the default load runs them natively; the dense
 float32 load runs the file's values exactly, and is checked against transformers' own model
@@ -80,7 +85,11 @@ def llama3_factors(head_dim: int, scaling: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(path: Path, arch: str, rope_freqs: dict | None = None) -> Path:
+FLOAT_TYPES = (Q.F16, Q.BF16, Q.F32)
+
+
+def write_gguf(path: Path, arch: str, rope_freqs: dict | None = None, float_weights: bool = False) -> Path:
+    """``float_weights``: every 2-D tensor in F16, BF16 and F32 in turn, in place of the types below."""
     hidden, ff, layers = 64, 256, 2
     heads, kv_heads, head_dim = (2, 1, 128) if arch == "qwen3" else (4, 2, 16)
     writer = GGUFWriter(str(path), arch)
@@ -110,10 +119,17 @@ def write_gguf(path: Path, arch: str, rope_freqs: dict | None = None) -> Path:
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(False)
     rng = np.random.default_rng(0)
+    matrices = 0
 
     def add(name: str, *shape: int, qtype: Q = Q.F32, scale: float = 0.3, offset: float = 0.0) -> None:
+        nonlocal matrices
         values = (offset + scale * rng.standard_normal(shape)).astype(np.float32)
-        if qtype == Q.F32:
+        if float_weights and len(shape) == 2:
+            qtype = FLOAT_TYPES[matrices % len(FLOAT_TYPES)]
+            matrices += 1
+        if qtype == Q.F16:
+            writer.add_tensor(name, values.astype(np.float16))
+        elif qtype == Q.F32:
             writer.add_tensor(name, values)
         else:
             writer.add_tensor(name, gguf.quantize(values, qtype), raw_dtype=qtype)
@@ -255,6 +271,37 @@ def test_llama3_rope_freqs_become_llama3_rope_scaling(tmp_path: Path) -> None:
     native, loaded = _ours(path)
     print(f"\nllama3 rope: dense max |diff| {diff:.3g}; native top-1 agreement {_agreement(native, ref):.3f}")
     assert _agreement(native, ref) >= 0.95
+    _check_greedy_identity(loaded)
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernels unavailable (no compiler)")
+def test_float_weight_matrices_run_on_the_kernels(tmp_path: Path) -> None:
+    """F16, BF16 and F32 weight matrices (q and k with llama.cpp's rotary row interleave, which
+    the loader undoes on the raw rows) load as native layers, with no dense layer and no warning;
+    their float32 products give the dense float32 model's logits up to summation order, and
+    greedy speculative output equals plain output."""
+    import warnings
+
+    from verispec.models.native import NativeLinear
+
+    path = write_gguf(tmp_path / "tiny-llama-float.gguf", "llama", float_weights=True)
+    with torch.inference_mode():
+        dense, _ = _ours(path, dtype="float32", quantization="none")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the load warns of any layer left dense
+            # float32 throughout, as the dense load (the default load holds the norms' weights in
+            # bf16, and the KV cache in float16)
+            native, loaded = _ours(path, dtype="float32", kv_cache_dtype="float32")
+    model = loaded.model
+    layers = [getattr(layer, attr) for layer in model.layers for attr in ("qkv", "o_proj", "gate_up", "down")]
+    assert all(isinstance(lin, NativeLinear) for lin in layers + [model.lm_head])
+    fmts = {p.fmt for lin in layers + [model.lm_head] for p in lin.parts}
+    assert fmts == {kernels.FORMATS[t.name] for t in FLOAT_TYPES}
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    rel = ((native - dense).norm() / dense.norm()).item()
+    print(f"\nfloat weights: native vs dense float32 logits, relative difference {rel:.3g}")
+    assert rel < 1e-5
+    assert _agreement(native, dense) == 1.0
     _check_greedy_identity(loaded)
 
 

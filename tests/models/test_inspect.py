@@ -95,6 +95,14 @@ def test_a_type_the_kernels_do_not_run_is_named_with_its_cost(tmp_path: Path) ->
     assert "4 bytes a weight" in text
 
 
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.F32])
+def test_float_linear_tensors_run_on_the_kernels(tmp_path: Path, qtype: GGMLQuantizationType) -> None:
+    r = inspect_gguf(_write(tmp_path / "m.gguf", down_type=qtype))
+    assert r.dense_layers == 0
+    row = next(t for t in r.types if t.type_name == qtype.name)
+    assert row.routes.get("native kernels") == LAYERS
+
+
 def test_an_architecture_verispec_does_not_run_says_why(tmp_path: Path) -> None:
     r = inspect_gguf(_write(tmp_path / "m.gguf", arch="mamba"))
     assert r.runs is not None and "unsupported GGUF architecture 'mamba'" in r.runs

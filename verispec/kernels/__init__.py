@@ -18,6 +18,10 @@ see ``csrc/ops.cpp``), up to the cap that ``VERISPEC_ISA`` or :func:`set_max_isa
 own: :func:`dequantize` of a packed weight equals ``gguf.quants.dequantize`` of its blocks bit
 for bit.
 
+Float weights (F32, F16, BF16; ``csrc/floats.h``) take the same guarantee another way: their
+activations stay float32, and each output is one chain of float32 fused multiply-adds over k in
+order, one output per SIMD lane, which the scalar reference and every path run alike.
+
 Every call that computes (a product, attention, a native layer, repacking, dequantizing)
 releases the GIL once its arguments are converted, so other Python threads, such as a server's
 event loop, run while it works (``csrc/ops.cpp``).
@@ -44,18 +48,22 @@ from verispec.files import file_lock
 from verispec.runtime import verispec_home
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("ref.cpp", "avx2.cpp", "avxvnni.cpp", "avx512.cpp", "amx.cpp", "attention.cpp", "attention_avx2.cpp",
-           "attention_avx512.cpp", "pool.cpp", "layer.cpp", "ops.cpp")
+SOURCES = ("ref.cpp", "avx2.cpp", "avxvnni.cpp", "avx512.cpp", "amx.cpp", "floats.cpp", "floats_avx2.cpp",
+           "floats_avx512.cpp", "attention.cpp", "attention_avx2.cpp", "attention_avx512.cpp", "pool.cpp", "layer.cpp",
+           "ops.cpp")
 # -fopenmp: at::parallel_for is a header template that is serial unless compiled with OpenMP; it
 # then runs on torch's own OpenMP threads. -ffp-contract=off: the scalar reference's multiplies
 # and adds stay as written, so the SIMD paths can match it bit for bit.
 CFLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp")
-HEADERS = ("qgemm.h", "ymm_kernel.h", "scales512.h", "pool.h", "attention.h", "attention_simd.h")
+HEADERS = ("qgemm.h", "floats.h", "ymm_kernel.h", "scales512.h", "pool.h", "attention.h", "attention_simd.h")
 ISAS = {"scalar": 0, "avx2": 1, "avxvnni": 4, "avx512": 2, "amx": 3}
-# ggml type ids of the formats the kernels run (GGMLQuantizationType values)
+# ggml type ids of the formats the kernels run (GGMLQuantizationType values): the quantized ones
+# (csrc/qgemm.h) and the float ones (csrc/floats.h), whose activations stay float32
 FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
-           "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
-# the superblock (GGUF block) size per format: input features come in multiples of it
+           "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "F32": 0, "F16": 1, "BF16": 30}
+FLOAT_FORMATS = {"F32": 0, "F16": 1, "BF16": 30}
+# input features come in multiples of this per format: the GGUF block (the quantized formats'
+# superblock), or for the float formats the activation block of 32 (a fused input is made in them)
 _SUPERBLOCK = {fmt: 256 if name.endswith("_K") or name == "IQ4_XS" else 32 for name, fmt in FORMATS.items()}
 TILE = 16  # output columns per packed tile
 
@@ -81,10 +89,10 @@ def build_key() -> str:
 
 
 def layout_key() -> str:
-    """A hash of the packed layout's definition (``qgemm.h`` and ``ref.cpp``, where tiles are
-    written): repacked weights cached on disk are valid while it stays the same."""
+    """A hash of the packed layouts' definitions (``qgemm.h`` and ``ref.cpp``, ``floats.h`` and
+    ``floats.cpp``, where tiles are written): repacked weights cached on disk are valid while it stays the same."""
     h = hashlib.sha256()
-    for name in ("qgemm.h", "ref.cpp"):
+    for name in ("qgemm.h", "ref.cpp", "floats.h", "floats.cpp"):
         h.update((CSRC / name).read_bytes())
     return h.hexdigest()[:16]
 
@@ -301,9 +309,10 @@ def matmul(x: Tensor, weights: list[PackedWeight], isa: str | None = None, *, bi
     multiplies ``RMSNorm(x) * weight``. Fusing them saves the separate PyTorch ops and their
     memory traffic in a decode step.
 
-    Activations are quantized once, for all the weights, and one parallel region covers all
-    their tiles. ``isa`` forces a path (``scalar``, ``avx2``, ``avxvnni``, ``avx512``, ``amx``;
-    tests use it); None picks the fastest this CPU runs for the row count.
+    Activations are quantized once, for all the quantized weights (float weights, F32, F16 and
+    BF16, read them in float32), and one parallel region covers all their tiles. ``isa`` forces
+    a path (``scalar``, ``avx2``, ``avxvnni``, ``avx512``, ``amx``; tests use it); None picks the
+    fastest this CPU runs for the row count.
     """
     if x.dim() != 2:
         raise KernelError(f"matmul takes x [M, K], got shape {tuple(x.shape)}")

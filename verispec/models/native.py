@@ -1,14 +1,16 @@
-"""A GGUF model's own quantized weights, run by the native kernels (:mod:`verispec.kernels`).
+"""A GGUF model's own weights, quantized or float, run by the native kernels (:mod:`verispec.kernels`).
 
 :func:`install_gguf_layers_` puts :class:`NativeLinear` layers built from the GGUF file's
 blocks in place of a decoder's linear layers (the fused q/k/v and gate/up projections, the
 output and down projections, and the LM head). The loader does it on the weightless model, so
 those layers' dense weights never exist (:meth:`Decoder.empty`'s ``build``);
 :func:`use_gguf_weights_` does it to a model already loaded. Blocks are repacked once and never
-requantized: the weight a kernel multiplies by is the file's, as gguf dequantizes it. A fused
-layer keeps one packed part per GGUF tensor, so q and k in Q4_K can sit beside v in Q6_K, as
-Q4_K_M files mix them. A layer whose tensors the kernels cannot run (other types, widths off
-the kernels' grid) runs dense, with a warning that names the types and the cost. The
+requantized: the weight a kernel multiplies by is the file's, as gguf dequantizes it. F32, F16
+and BF16 matrices (a float GGUF, or a quantized file's float tensors) run on the kernels too, in
+float32 with no activation quantization. A fused layer keeps one packed part per GGUF tensor, so
+q and k in Q4_K can sit beside v in Q6_K, as Q4_K_M files mix them, or an F16 tensor beside
+quantized ones. A layer whose tensors the kernels cannot run (other types, widths off the
+kernels' grid) runs dense, with a warning that names the types and the cost. The
 embedding table stays in the file's own blocks too (:class:`GGUFEmbedding`): a lookup
 dequantizes the rows it reads.
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "floats.h"
 #include "pool.h"
 #include "qgemm.h"
 
@@ -99,8 +100,25 @@ SuperblockFn kernel_for(int isa) {
   }
 }
 
+// The float formats' path per ISA (floats.h): AMX CPUs run the AVX512 one, AVX-VNNI CPUs the AVX2 one.
+FloatTilesFn float_kernel_for(int isa) {
+  switch (isa) {
+    case kAmx:
+    case kAvx512: return float_tiles_avx512;
+    case kAvxVnni:
+    case kAvx2: return float_tiles_avx2;
+    default: return float_tiles_scalar;
+  }
+}
+
+// The quantized formats' constants; a float format (floats.h) has none, and f.kb = 32 stands for
+// its rule on K (multiples of the activation block).
 FormatInfo info_or_throw(int64_t fmt) {
-  FormatInfo f;
+  FormatInfo f{};
+  if (is_float_format((int)fmt)) {
+    f.kb = kActBlock;
+    return f;
+  }
   TORCH_CHECK(format_info((int)fmt, &f), "GGUF type ", fmt, " is not supported by the native kernels");
   return f;
 }
@@ -110,8 +128,11 @@ void check_shape(const FormatInfo& f, int64_t n, int64_t k) {
   TORCH_CHECK(k > 0 && k % f.kb == 0, "input features must be a positive multiple of ", f.kb, ", got ", k);
 }
 
-int64_t packed_bytes(const FormatInfo& f, int64_t n, int64_t k) { return n / kTile * (k / f.kb) * f.tile_bytes(); }
-int64_t packed_nbytes(int64_t fmt, int64_t n, int64_t k) { return packed_bytes(info_or_throw(fmt), n, k); }
+int64_t packed_bytes(int64_t fmt, const FormatInfo& f, int64_t n, int64_t k) {
+  if (is_float_format((int)fmt)) return n * k * float_bytes((int)fmt);
+  return n / kTile * (k / f.kb) * f.tile_bytes();
+}
+int64_t packed_nbytes(int64_t fmt, int64_t n, int64_t k) { return packed_bytes(fmt, info_or_throw(fmt), n, k); }
 
 }  // namespace
 
@@ -127,16 +148,25 @@ AttendRowsFn attend_rows_for(int64_t isa) {
   }
 }
 
-// raw: uint8 [N, K / KB * block_bytes], the GGUF tensor's bytes (row n = output feature n).
+// raw: uint8 [N, K / KB * block_bytes] (a float format: [N, K * element bytes]), the GGUF
+// tensor's bytes (row n = output feature n).
 torch::Tensor repack(int64_t fmt, torch::Tensor raw, int64_t n, int64_t k) {
   const FormatInfo f = info_or_throw(fmt);
   check_shape(f, n, k);
-  const int64_t nsb = k / f.kb, row_bytes = nsb * f.block_bytes;
+  const bool flt = is_float_format((int)fmt);
+  const int64_t nsb = k / f.kb, row_bytes = flt ? k * float_bytes((int)fmt) : nsb * f.block_bytes;
   TORCH_CHECK(raw.dtype() == torch::kUInt8 && raw.is_contiguous() && raw.numel() == n * row_bytes,
               "raw GGUF data must be contiguous uint8 with ", n * row_bytes, " bytes, got ", raw.numel());
-  auto out = torch::zeros({packed_bytes(f, n, k)}, torch::kUInt8);
+  auto out = torch::zeros({packed_bytes(fmt, f, n, k)}, torch::kUInt8);
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
+  if (flt) {
+    at::parallel_for(0, n / kTile, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        float_repack_tile((int)fmt, src + t * kTile * row_bytes, row_bytes, k, dst + t * kTile * row_bytes);
+    });
+    return out;
+  }
   at::parallel_for(0, n / kTile, 1, [&](int64_t t0, int64_t t1) {
     std::vector<Decoded> cols(kTile);
     for (int64_t t = t0; t < t1; ++t)
@@ -151,20 +181,28 @@ torch::Tensor repack(int64_t fmt, torch::Tensor raw, int64_t n, int64_t k) {
   return out;
 }
 
-void check_packed(const FormatInfo& f, const torch::Tensor& packed, int64_t n, int64_t k) {
+void check_packed(int64_t fmt, const FormatInfo& f, const torch::Tensor& packed, int64_t n, int64_t k) {
   check_shape(f, n, k);
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.numel() == packed_bytes(f, n, k),
-              "packed weight has ", packed.numel(), " bytes, expected ", packed_bytes(f, n, k));
+  const int64_t want = packed_bytes(fmt, f, n, k);
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.numel() == want,
+              "packed weight has ", packed.numel(), " bytes, expected ", want);
 }
 
 // The float32 weight [N, K] the kernels multiply by, computed as gguf dequantizes the file.
 torch::Tensor dequantize(int64_t fmt, torch::Tensor packed, int64_t n, int64_t k) {
   const FormatInfo f = info_or_throw(fmt);
-  check_packed(f, packed, n, k);
+  check_packed(fmt, f, packed, n, k);
   auto out = torch::empty({n, k}, torch::kFloat32);
   const int64_t nsb = k / f.kb;
   const uint8_t* src = packed.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
+  if (is_float_format((int)fmt)) {
+    const int64_t tile_bytes = kTile * k * float_bytes((int)fmt);
+    at::parallel_for(0, n / kTile, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) float_dequantize_tile((int)fmt, src + t * tile_bytes, k, dst + t * kTile * k, k);
+    });
+    return out;
+  }
   at::parallel_for(0, n / kTile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t s = 0; s < nsb; ++s)
@@ -182,7 +220,7 @@ torch::Tensor dequantize(int64_t fmt, torch::Tensor packed, int64_t n, int64_t k
 // hundred calls, and allocating and zeroing fresh tensors for each was a visible part of it).
 struct ActBuffers {
   std::vector<int8_t> q;
-  std::vector<float> dx, dxb, in, inv;
+  std::vector<float> dx, dxb, in, inv, made;
   std::vector<int16_t> bs;
   std::vector<int32_t> cen16, cen32, off16, off32, off128, bs2;
 };
@@ -208,23 +246,29 @@ static void centered_sums(const int8_t* q, int32_t* cen16_0, int32_t* cen16_1, i
 constexpr int64_t kQuantChunk = 8;   // blocks of one row per unit of work
 constexpr int64_t kQuantGrain = 16;  // units below which the quantization stays on one thread
 
-QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float eps, bool avx2, ActBuffers& buf) {
+// With floats, *rows is set to the layer's input in float32, [M][K] (x itself where it is float32
+// and neither gated nor normed): the float formats' activations (floats.h). Without quant, the
+// quantization is skipped (a call on float weights only).
+QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float eps, bool avx2, ActBuffers& buf,
+                    bool quant, bool floats, const float** rows) {
   TORCH_CHECK(x.dim() == 2 && (x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16),
               "activations must be float32 or bfloat16 [M, K]");
   TORCH_CHECK(x.is_contiguous(), "activations must be contiguous");
   TORCH_CHECK(!glu || x.size(1) % 2 == 0, "a gated input has an even number of features");
   const int64_t m = x.size(0), kin = x.size(1), k = glu ? kin / 2 : kin, mp = (m + 15) / 16 * 16, nb = k / kActBlock;
   TORCH_CHECK(k % kActBlock == 0, "input features ", k, " are not a multiple of ", kActBlock);
-  buf.q.resize((size_t)(nb * mp * kActBlock));
-  buf.dx.resize((size_t)(nb * mp));
-  buf.dxb.resize((size_t)(nb * mp));
-  buf.bs.resize((size_t)(k / 16 * mp));
-  buf.cen16.resize((size_t)(k / 16 * mp));
-  buf.cen32.resize((size_t)(nb * mp));
-  buf.off16.resize((size_t)(k / 16 * mp));
-  buf.off32.resize((size_t)(nb * mp));
-  buf.off128.resize((size_t)(nb * mp));
-  buf.bs2.resize((size_t)(nb * mp));
+  if (quant) {
+    buf.q.resize((size_t)(nb * mp * kActBlock));
+    buf.dx.resize((size_t)(nb * mp));
+    buf.dxb.resize((size_t)(nb * mp));
+    buf.bs.resize((size_t)(k / 16 * mp));
+    buf.cen16.resize((size_t)(k / 16 * mp));
+    buf.cen32.resize((size_t)(nb * mp));
+    buf.off16.resize((size_t)(k / 16 * mp));
+    buf.off32.resize((size_t)(nb * mp));
+    buf.off128.resize((size_t)(nb * mp));
+    buf.bs2.resize((size_t)(nb * mp));
+  }
   const float* xf;
   if (x.dtype() == torch::kBFloat16) {  // bf16 -> float32 is exact
     buf.in.resize((size_t)(m * kin));
@@ -240,6 +284,16 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
     run_chunks(m, [&](int64_t i) { buf.inv[i] = row_rms_inv(xf + i * kin, k, eps); }, m >= 4 ? 0 : 1);
     inv = buf.inv.data();
   }
+  // the float formats' rows: x's (as float32), or the made input, written block by block below
+  float* made = nullptr;
+  if (floats) {
+    if (glu || inv) {
+      buf.made.resize((size_t)(m * k));
+      made = buf.made.data();
+    }
+    *rows = made ? made : xf;
+  }
+  if (!quant && !made) return QActs{};
   int8_t* pq = buf.q.data();
   const auto glu_fn = avx2 ? glu_block_avx2 : glu_block;
   const auto quant_fn = avx2 ? quantize_block_avx2 : quantize_block;
@@ -259,6 +313,8 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
         for (int j = 0; j < kActBlock; ++j) in[j] = xb[j] * inv[i] * w[j];
         xb = in;
       }
+      if (made) std::memcpy(made + i * k + b * kActBlock, xb, sizeof(in));
+      if (!quant) continue;
       int16_t bs[2];
       quant_fn(xb, pq + (b * mp + i) * kActBlock, &buf.dx[b * mp + i], bs, &buf.dxb[b * mp + i]);
       buf.bs[2 * b * mp + i] = bs[0];
@@ -272,6 +328,7 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
                     &buf.cen32[b * mp + i]);
     }
   }, units >= kQuantGrain ? 0 : 1);
+  if (!quant) return QActs{};
   if (mp > m)  // AMX's A tiles read the padding rows (their results are never used)
     for (int64_t b = 0; b < nb; ++b) std::memset(pq + (b * mp + m) * kActBlock, 0, (size_t)((mp - m) * kActBlock));
   return QActs{pq, buf.dx.data(), buf.bs.data(), buf.dxb.data(), m, k, mp, buf.cen16.data(), buf.cen32.data(),
@@ -281,8 +338,9 @@ QActs quantize_rows(const torch::Tensor& x, bool glu, const float* norm_w, float
 // y = h @ W.T (+ bias) (+ residual) for W the packed parts stacked along the output dim:
 // [M, sum n], float32 or, with out_bf16, rounded to bfloat16 (to nearest even, as torch's cast),
 // where h is x, or with in_glu silu(x[:, :K]) * x[:, K:], or with norm_w RMSNorm(x) (see
-// input_row). The activations are quantized once and all parts' tiles share one parallel region,
-// split in contiguous ranges; bias and residual are added in fp32 in that order, then rounded.
+// input_row). The activations are quantized once (where a part is quantized; a float part reads
+// them in float32, floats.h) and all parts' tiles share one parallel region, split in contiguous
+// ranges; bias and residual are added in fp32 in that order, then rounded.
 torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<torch::Tensor> packed,
                      std::vector<int64_t> ns, c10::optional<torch::Tensor> bias, bool out_bf16, int64_t isa,
                      bool in_glu, c10::optional<torch::Tensor> norm_w, double eps,
@@ -290,13 +348,16 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
   TORCH_CHECK(!fmts.empty() && fmts.size() == packed.size() && fmts.size() == ns.size(), "parts do not match");
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   const int64_t m = x.size(0), k = in_glu ? x.size(1) / 2 : x.size(1);
-  struct Part { FormatInfo f; int fmt; const uint8_t* w; int64_t tile0, col0; };
+  struct Part { FormatInfo f; int fmt; bool flt; const uint8_t* w; int64_t tile0, col0, ntiles; };
   std::vector<Part> parts;
   int64_t tiles = 0, cols = 0;
+  bool any_quant = false, any_float = false;
   for (size_t i = 0; i < fmts.size(); ++i) {
     const FormatInfo f = info_or_throw(fmts[i]);
-    check_packed(f, packed[i], ns[i], k);
-    parts.push_back({f, (int)fmts[i], packed[i].data_ptr<uint8_t>(), tiles, cols});
+    check_packed(fmts[i], f, packed[i], ns[i], k);
+    const bool flt = is_float_format((int)fmts[i]);
+    parts.push_back({f, (int)fmts[i], flt, packed[i].data_ptr<uint8_t>(), tiles, cols, ns[i] / kTile});
+    (flt ? any_float : any_quant) = true;
     tiles += ns[i] / kTile;
     cols += ns[i];
   }
@@ -324,10 +385,13 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
   const at::BFloat16* r16 = res.defined() && out_bf16 ? res.data_ptr<at::BFloat16>() : nullptr;
   const int use = isa < 0 ? best_isa(m) : (int)isa;
   const SuperblockFn fn = kernel_for(use);
+  const FloatTilesFn float_fn = float_kernel_for(use);
   thread_local ActBuffers buffers;
-  // the scalar path quantizes with the generic code, every other with the AVX2 copy (the same
-  // bits, which the scalar-against-ISA tests check)
-  const QActs a = quantize_rows(x.contiguous(), in_glu, nw, (float)eps, use != kScalar, buffers);
+  // the scalar path makes the input with the generic code, every other with the AVX2 copy (the
+  // same bits, which the scalar-against-ISA tests check)
+  const torch::Tensor xc = x.contiguous();  // held: the float parts may read its rows
+  const float* xrows = nullptr;
+  const QActs a = quantize_rows(xc, in_glu, nw, (float)eps, use != kScalar, buffers, any_quant, any_float, &xrows);
   auto out = torch::empty({m, cols}, out_type);
   at::BFloat16* y16 = out_bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   float* y32 = out_bf16 ? nullptr : out.data_ptr<float>();
@@ -338,12 +402,32 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
     int64_t t0, t1;
     chunk_range(tiles, nchunks, chunk, &t0, &t1);
     thread_local std::vector<float> acc;
-    acc.resize((size_t)m * kTile);
+    acc.resize((size_t)m * kTile * 2);  // two tiles: the float kernels' steps
     size_t p = 0;
     int amx_sub = 0;  // the sub size the thread's tiles are configured for
+    // a tile's accumulators [M][16], the output's columns col .. col + 15: the epilogue
+    auto emit = [&](const float* tile_acc, int64_t col) {
+      for (int64_t i = 0; i < m; ++i)
+        for (int c = 0; c < kTile; ++c) {
+          float v = b ? tile_acc[i * kTile + c] + b[col + c] : tile_acc[i * kTile + c];
+          if (r32) v += r32[i * cols + col + c];
+          else if (r16) v += static_cast<float>(r16[i * cols + col + c]);
+          if (y16) y16[i * cols + col + c] = at::BFloat16(v);
+          else y32[i * cols + col + c] = v;
+        }
+    };
     for (int64_t t = t0; t < t1; ++t) {
       while (p + 1 < parts.size() && parts[p + 1].tile0 <= t) ++p;
       const Part& part = parts[p];
+      if (part.flt) {  // two tiles a step where the chunk and the part have them
+        const int nt = t + 1 < t1 && t + 1 < part.tile0 + part.ntiles ? 2 : 1;
+        const int64_t tile_bytes = k * kTile * float_bytes(part.fmt);
+        std::fill(acc.begin(), acc.begin() + nt * m * kTile, 0.0f);
+        float_fn(part.fmt, part.w + (t - part.tile0) * tile_bytes, k, nt, xrows, k, m, acc.data());
+        for (int u = 0; u < nt; ++u) emit(acc.data() + u * m * kTile, part.col0 + (t + u - part.tile0) * kTile);
+        t += nt - 1;
+        continue;
+      }
       // AMX runs the formats amx.cpp handles (amx_runs); a part in another format takes the
       // AVX512 path, the same bits by the contract (every AMX CPU has AVX512 with VNNI)
       const bool on_amx = use == kAmx && amx_runs(part.fmt);
@@ -351,7 +435,7 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
       if (on_amx && part.f.sub != amx_sub) amx_configure(amx_sub = part.f.sub, (int)std::min<int64_t>(m, 16));
       const int64_t nsb = k / part.f.kb, tb = part.f.tile_bytes();
       const int64_t col = part.col0 + (t - part.tile0) * kTile;
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(acc.begin(), acc.begin() + m * kTile, 0.0f);
       const uint8_t* tile = part.w + (t - part.tile0) * nsb * tb;
       // the 32-wide formats go kGroup superblocks per call (the kernels keep their
       // accumulators in registers across them); the 256-wide ones one at a time
@@ -371,14 +455,7 @@ torch::Tensor linear(torch::Tensor x, std::vector<int64_t> fmts, std::vector<tor
         tl_prefetch.per_step = lines;  // what a path without the per-sub steps left (scalar)
         prefetch_step(tl_prefetch);
       }
-      for (int64_t i = 0; i < m; ++i)
-        for (int c = 0; c < kTile; ++c) {
-          float v = b ? acc[i * kTile + c] + b[col + c] : acc[i * kTile + c];
-          if (r32) v += r32[i * cols + col + c];
-          else if (r16) v += static_cast<float>(r16[i * cols + col + c]);
-          if (y16) y16[i * cols + col + c] = at::BFloat16(v);
-          else y32[i * cols + col + c] = v;
-        }
+      emit(acc.data(), col);
     }
     if (amx_sub) amx_release();
   });
