@@ -223,8 +223,12 @@ def load_model(
         # a GGUF's own blocks on the kernels: asked for, or the default on a CPU that has them
         native = quantization == "gguf" or (quantization == "auto" and dev.type == "cpu" and kernels.available())
         name = spec_str if spec_str in BUNDLED_MODELS else path.stem
-        loaded = load_gguf(path, device=dev, dtype=torch_dtype, native=native, name=name, progress=progress)
-        if native and isinstance(dtype, str) and dtype.strip().lower() == "auto":
+        float_activations = native and isinstance(dtype, str) and dtype.strip().lower() == "auto"
+        # float32 activations: the tensors left dense (norms, biases) are built in float32 from
+        # the file, not rounded to bf16 first and widened after
+        loaded = load_gguf(path, device=dev, dtype=torch.float32 if float_activations else torch_dtype,
+                           native=native, name=name, progress=progress)
+        if float_activations:
             float_activations_(loaded.model)
     quantize_(loaded.model, quantization, group_size)
     if quantization in ("int8", "int4") and isinstance(dtype, str) and dtype.strip().lower() == "auto":
