@@ -17,9 +17,11 @@ unsupported architecture be rejected before any slow work. ``config.json`` is bu
 metadata the way llama.cpp reads it (:func:`gguf_hf_config`); tensors are dequantized with the
 ``gguf`` package, renamed with gguf-py's tensor-name tables and, for Llama, llama.cpp's Q/K row
 interleave is undone; Gemma's norm weights, which llama.cpp stores as ``1 + w``, go back to HF's
-``w``, and Llama 3's ``rope_freqs`` tensor becomes the ``llama3`` rope scaling it encodes. The tokenizer is transformers' own GGUF tokenizer
-(``AutoTokenizer.from_pretrained(..., gguf_file=...)``) with the chat template from the
-metadata; it is the slow step (transformers parses the whole vocabulary twice).
+``w``, and Llama 3's ``rope_freqs`` tensor becomes the ``llama3`` rope scaling it encodes. The tokenizer is the one
+transformers builds for the file (``AutoTokenizer.from_pretrained(..., gguf_file=...)``): its
+converters build it from the vocabulary, merges and token types this module reads
+(:func:`read_gguf_array`), which spares the call's second, much slower reading of the whole
+metadata with gguf-py; a file that path does not cover goes through the call itself.
 
 Precision. :class:`GGUFTensors` gives each tensor's float32 dequantization exactly (what
 transformers' own GGUF reader gives); a model loaded in bfloat16 rounds it once, as it is
@@ -56,7 +58,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +141,8 @@ class GGUFHeader:
     version: int
     metadata: dict[str, Any]
     tensors: tuple[GGUFTensorInfo, ...]
+    # metadata key -> byte offset of the value of each array left undecoded (:func:`read_gguf_array`)
+    arrays: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str | None:
@@ -240,10 +244,14 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
             if n_tensors > size or n_kv > size:
                 raise CorruptGGUFError(path, f"implausible counts: {n_tensors} tensors, {n_kv} metadata entries")
             metadata: dict[str, Any] = {}
+            arrays: dict[str, int] = {}
             for i in range(n_kv):
                 key = cur.string(f"metadata key {i}")
                 vtype = cur.scalar("I", f"type of metadata {key!r}")
+                start = cur.pos
                 metadata[key] = cur.value(vtype, f"metadata {key!r}")
+                if vtype == _ARRAY and metadata[key] is None:
+                    arrays[key] = start
             raw_tensors = []
             for i in range(n_tensors):
                 name = cur.string(f"name of tensor {i}")
@@ -287,7 +295,39 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
                 path, f"tensor {name!r} needs bytes up to {start + nbytes} but the file has only {size}"
             )
         tensors.append(GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, start, nbytes))
-    return GGUFHeader(path=path, version=version, metadata=metadata, tensors=tuple(tensors))
+    return GGUFHeader(path=path, version=version, metadata=metadata, tensors=tuple(tensors), arrays=arrays)
+
+
+def read_gguf_array(header: GGUFHeader, key: str) -> list[Any]:
+    """The items of a metadata array that :func:`read_gguf_header` left undecoded (a vocabulary,
+    its merges, scores or token types): strings as ``str``, numbers as Python ints and floats.
+
+    The header reader already checked that the array lies inside the file."""
+    if key in header.metadata and header.metadata[key] is not None:
+        value = header.metadata[key]
+        if not isinstance(value, list):
+            raise ModelLoadError(f"{header.path}: metadata {key!r} is not an array")
+        return value
+    if key not in header.arrays:
+        raise KeyError(key)
+    with open(header.path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        itype, count = struct.unpack_from("<IQ", buf, header.arrays[key])
+        pos = header.arrays[key] + 12
+        if itype in _SCALAR_FORMATS:
+            fmt = _SCALAR_FORMATS[itype]
+            return list(struct.unpack_from(f"<{count}{fmt}", buf, pos))
+        if itype != _STRING:
+            raise ModelLoadError(f"{header.path}: metadata {key!r} is an array of arrays, which verispec does not read")
+        items: list[str] = []
+        append, length = items.append, struct.Struct("<Q").unpack_from
+        try:
+            for _ in range(count):
+                n = length(buf, pos)[0]
+                append(buf[pos + 8 : pos + 8 + n].decode("utf-8"))
+                pos += 8 + n
+        except UnicodeDecodeError:
+            raise CorruptGGUFError(header.path, f"a string of metadata {key!r} is not valid UTF-8") from None
+        return items
 
 
 def ggml_type_name(ggml_type: int) -> str:
@@ -608,11 +648,11 @@ def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: 
 def _gguf_tokenizer(header: GGUFHeader) -> PreTrainedTokenizerBase:
     """transformers' tokenizer for a GGUF file, with the chat template from its metadata.
 
-    The file is exposed through a symlink in an empty directory so that no unrelated
-    tokenizer files next to it can leak in.
+    The same tokenizer ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` builds: from the
+    metadata this module reads (:func:`_tokenizer_from_header`) where it covers the file, else
+    through that call. The file is exposed through a symlink in an empty directory so that no
+    unrelated tokenizer files next to it can leak in.
     """
-    from transformers import AutoTokenizer
-
     path = header.path
     try:
         with tempfile.TemporaryDirectory(prefix="verispec-gguf-") as tmp:
@@ -622,7 +662,11 @@ def _gguf_tokenizer(header: GGUFHeader) -> PreTrainedTokenizerBase:
                 where = tmp
             except OSError:  # no symlinks here (e.g. Windows without privileges)
                 where = str(path.parent)
-            hf_tok = AutoTokenizer.from_pretrained(where, gguf_file=path.name, local_files_only=True)
+            hf_tok = _tokenizer_from_header(header, where)
+            if hf_tok is None:
+                from transformers import AutoTokenizer
+
+                hf_tok = AutoTokenizer.from_pretrained(where, gguf_file=path.name, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as exc:
         raise ModelLoadError(f"could not build the tokenizer of GGUF file {path}: {exc}") from exc
     template = header.metadata.get("tokenizer.chat_template")
@@ -630,6 +674,56 @@ def _gguf_tokenizer(header: GGUFHeader) -> PreTrainedTokenizerBase:
         hf_tok.chat_template = template
     hf_tok.name_or_path = path.stem
     return hf_tok
+
+
+# The tokenizer models (``tokenizer.ggml.model``) :func:`_tokenizer_from_header` builds: byte-level
+# BPE and sentencepiece. Others (t5's unigram, gemma4) go through transformers' own reading.
+_TOKENIZER_MODELS = ("gpt2", "llama")
+
+
+def _tokenizer_from_header(header: GGUFHeader, where: str) -> PreTrainedTokenizerBase | None:
+    """What ``AutoTokenizer.from_pretrained(where, gguf_file=...)`` returns, built from this
+    module's reading of the metadata, or None where this does not cover the file.
+
+    transformers' call reads the whole file's metadata twice, once with gguf-py's reader (many
+    seconds for a 150k-token vocabulary) only to learn the model type that picks the tokenizer
+    class. Here the class comes from the architecture, the tokenizer's description is gathered
+    under transformers' key table (``GGUF_TOKENIZER_MAPPING``, as its ``get_gguf_tokenizer``
+    does), transformers' ``convert_gguf_tokenizer`` builds the Rust tokenizer, and the class's
+    own ``from_pretrained`` gets it as ``tokenizer_object``, so every later step is
+    transformers' own. Not covered: architectures outside :data:`GGUF_ARCHITECTURES`, a
+    ``llama`` file named "mistral" (transformers then reads it as Mistral) and tokenizer models
+    outside :data:`_TOKENIZER_MODELS`.
+    """
+    from transformers import CONFIG_MAPPING, TokenizersBackend
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    arch, md = header.architecture, header.metadata
+    if arch not in GGUF_ARCHITECTURES or md.get("general.name") == "mistral":
+        return None
+    if md.get("tokenizer.ggml.model") not in _TOKENIZER_MODELS or "tokenizer.ggml.tokens" not in md:
+        return None
+    tokenizer_class = TOKENIZER_MAPPING.get(CONFIG_MAPPING[_HF_MODEL_TYPES.get(arch, arch)], TokenizersBackend)
+    if tokenizer_class is None or tokenizer_class.__name__ == "MistralCommonBackend":
+        return None
+
+    def value(key: str) -> Any:
+        return read_gguf_array(header, key) if key in header.arrays else md[key]
+
+    groups = {group: {name: value(f"tokenizer.{key}") for key, name in renames.items() if f"tokenizer.{key}" in md}
+              for group, renames in GGUF_TOKENIZER_MAPPING.items()}  # fmt: skip
+    tokenizer, init = groups["tokenizer"], groups["tokenizer_config"]
+    if tokenizer.get("tokenizer_type") == "llama":  # llama.cpp adds BOS to sentencepiece unless told not to
+        init.setdefault("add_bos_token", True)
+    for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items():
+        if name.endswith("_token_id"):  # bos, eos, unk, pad: the token's text, or None
+            token_id = md.get(f"tokenizer.{key}")
+            init[name.removesuffix("_id")] = tokenizer["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(arch, tokenizer)
+    return tokenizer_class.from_pretrained(
+        where, gguf_file=header.path.name, tokenizer_object=backend, local_files_only=True, **init, **extra
+    )
 
 
 def _gguf_to_hf_names(header: GGUFHeader, expected: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
