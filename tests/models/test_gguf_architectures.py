@@ -7,6 +7,9 @@
 * Phi-3 (fused ``attn_qkv``, and gate and up in one ``ffn_up``): transformers loads the GGUF.
 * Gemma 2 (capped attention scores and logits, sandwich norms, alternating windows): the
   reference is transformers' model on the file's weights, as its GGUF reader drops the caps.
+* Mistral, stored as llama.cpp stores it: a ``llama`` file with ``llama.attention.sliding_window``.
+  transformers' GGUF reader drops the window (it reads a Llama), so the reference is
+  transformers' Mistral on the file's weights, with the window on every layer.
 * Llama with Llama 3.x RoPE scaling, stored as llama.cpp stores it: a ``rope_freqs`` tensor of
   per-dimension factors. transformers' GGUF reader drops that tensor (it would run the file
   unscaled), so the reference is transformers' Llama on the file's weights, whose config carries
@@ -51,6 +54,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 8192}
 THETA = 500000.0
 GEMMA2_WINDOW = 8
+MISTRAL_WINDOW = 8
 N = 96  # teacher-forced tokens
 NATIVE = kernels.available()  # built (or found) at collection, in the real cache, not per test
 
@@ -80,7 +84,7 @@ def llama3_factors(head_dim: int, scaling: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(path: Path, arch: str, rope_freqs: dict | None = None) -> Path:
+def write_gguf(path: Path, arch: str, rope_freqs: dict | None = None, window: int | None = None) -> Path:
     hidden, ff, layers = 64, 256, 2
     heads, kv_heads, head_dim = (2, 1, 128) if arch == "qwen3" else (4, 2, 16)
     writer = GGUFWriter(str(path), arch)
@@ -98,6 +102,8 @@ def write_gguf(path: Path, arch: str, rope_freqs: dict | None = None) -> Path:
     writer.add_layer_norm_rms_eps(1e-6)
     if arch == "gemma2":
         writer.add_sliding_window(GEMMA2_WINDOW)
+    if window is not None:
+        writer.add_sliding_window(window)
         writer.add_float32("gemma2.attn_logit_softcapping", 5.0)  # small, so the caps bite
         writer.add_float32("gemma2.final_logit_softcapping", 10.0)
     writer.add_tokenizer_model("gpt2")
@@ -232,6 +238,26 @@ def test_gemma2_softcaps_and_window_match_transformers(tmp_path: Path) -> None:
     assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (5.0, 10.0)
     assert [c.window(i) for i in range(2)] == [GEMMA2_WINDOW, None]
     assert not loaded.model.rows_are_pass_invariant()
+    _check_greedy_identity(loaded)
+
+
+def test_a_llama_file_with_a_sliding_window_runs_as_mistral(tmp_path: Path) -> None:
+    """A window of 8 on every layer, within the 96 teacher-forced tokens, against transformers'
+    MistralForCausalLM on the file's weights; transformers' own reading of the file (a Llama,
+    no window) differs from it far more, so the window is what is checked."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(tmp_path / "tiny-mistral.gguf", "llama", window=MISTRAL_WINDOW)
+    loaded = _check_against_transformers(path, "MistralForCausalLM", on_gguf=False)
+    assert loaded.hf_config["sliding_window"] == MISTRAL_WINDOW
+    c = loaded.model.config
+    assert [c.window(i) for i in range(c.num_layers)] == [MISTRAL_WINDOW] * c.num_layers
+    with torch.inference_mode():
+        dense, _ = _ours(path, dtype="float32", quantization="none")
+        unwindowed = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+        full = unwindowed(_ids()).logits[0]
+    assert (dense[:MISTRAL_WINDOW] - full[:MISTRAL_WINDOW]).abs().max() < 1e-4  # the window does not bite yet
+    assert (dense - full).abs().max() > 1e-2  # and then it does
     _check_greedy_identity(loaded)
 
 

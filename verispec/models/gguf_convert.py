@@ -31,7 +31,8 @@ biases) in float32, so transformers' baselines run the file's weights rounded to
 
 Read: the GGUF architectures in :data:`GGUF_ARCHITECTURES` (llama, qwen2, qwen3, gemma2,
 gemma3, phi3, whose fused ``attn_qkv`` and gate-and-up ``ffn_up`` tensors map to HF's fused Phi3
-weights). Not read (clear errors, before any slow work): other architectures (mixture-of-experts,
+weights); a llama file with ``llama.attention.sliding_window`` (Mistral) reads as HF's Mistral,
+the window on every layer. Not read (clear errors, before any slow work): other architectures (mixture-of-experts,
 state-space, multimodal), split GGUF files, RoPE scaling other than linear and ``rope_freqs``
 factors that match no Llama 3 scaling.
 
@@ -93,7 +94,8 @@ __all__ = [
 CONVERSION_VERSION = 1
 
 # GGUF ``general.architecture`` values verispec converts, and the HF architecture each becomes.
-# Mistral models are stored as "llama" in GGUF (llama.cpp runs them without a sliding window).
+# Mistral models are stored as "llama" in GGUF; one whose metadata states a sliding window
+# (``llama.attention.sliding_window``) becomes a MistralForCausalLM with that window on every layer.
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                       "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                                       "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
@@ -598,6 +600,13 @@ def gguf_hf_config(header: GGUFHeader, rope_scaling: dict[str, Any] | None = Non
         cfg["use_sliding_window"] = False
     if arch == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        window = get("attention.sliding_window")
+        if isinstance(window, int) and window > 0:  # Mistral: Llama with a window on every layer
+            if cfg.pop("attention_bias"):
+                raise UnsupportedModelError(
+                    f"{header.path}: a llama file with both a sliding window and q/k/v biases is not supported")
+            cfg["model_type"] = "mistral"
+            cfg["sliding_window"] = window
     if arch == "qwen2":
         cfg["use_sliding_window"] = False
         cfg["sliding_window"] = None
@@ -623,7 +632,7 @@ def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: 
 
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg)
-    config.architectures = [GGUF_ARCHITECTURES[header.architecture]]
+    config.architectures = ["MistralForCausalLM" if model_type == "mistral" else GGUF_ARCHITECTURES[header.architecture]]
     hf_tok.save_pretrained(str(out))
     write_light_tokenizer(out)
     config.save_pretrained(str(out))
