@@ -102,10 +102,10 @@ def write_gguf(path: Path, arch: str, rope_freqs: dict | None = None, window: in
     writer.add_layer_norm_rms_eps(1e-6)
     if arch == "gemma2":
         writer.add_sliding_window(GEMMA2_WINDOW)
-    if window is not None:
-        writer.add_sliding_window(window)
         writer.add_float32("gemma2.attn_logit_softcapping", 5.0)  # small, so the caps bite
         writer.add_float32("gemma2.final_logit_softcapping", 10.0)
+    if window is not None:
+        writer.add_sliding_window(window)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2" if arch == "qwen3" else "default")
     writer.add_token_list(TOKENS)
