@@ -305,3 +305,34 @@ def test_other_architectures_are_refused_before_converting(tmp_path: Path, arch:
     with pytest.raises(UnsupportedModelError, match=rf"unsupported GGUF architecture '{arch}'.*gemma3"):
         load_model(path, progress=False)
     assert not any((tmp_path / "home" / d).exists() and any((tmp_path / "home" / d).iterdir()) for d in ("converted", "gguf"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
+def test_the_written_out_parameter_table_is_transformers_model(tmp_path: Path, arch: str) -> None:
+    """``hf_parameter_shapes`` lists what a weightless build of transformers' model lists, in
+    order, for each architecture's config as read from a file (tied and untied embeddings, q/k/v
+    biases on Qwen2 and on a Llama that states them)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from verispec.models.gguf_convert import gguf_metadata, hf_parameter_shapes
+
+    if arch in ("qwen2", "gemma3"):  # no synthetic file above: the config of a small one by hand
+        model_type = "gemma3_text" if arch == "gemma3" else arch
+        configs = [AutoConfig.for_model(model_type, num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                        vocab_size=48, tie_word_embeddings=tied, pad_token_id=0)
+                   for tied in (True, False)]  # fmt: skip
+    else:
+        path = write_gguf(tmp_path / f"{arch}.gguf", "llama" if arch == "mistral" else arch,
+                          window=MISTRAL_WINDOW if arch == "mistral" else None)
+        configs = [AutoConfig.from_pretrained(gguf_metadata(path, progress=False))]
+        if arch == "llama":
+            biased = {**configs[0].to_dict(), "attention_bias": True, "tie_word_embeddings": True}
+            configs.append(AutoConfig.for_model(biased.pop("model_type"), **biased))
+    for config in configs:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        expected = [(name, tuple(p.shape)) for name, p in skeleton.named_parameters()]
+        if config.tie_word_embeddings:
+            expected = [(name, shape) for name, shape in expected if name != "lm_head.weight"]
+        assert list(hf_parameter_shapes(config).items()) == expected

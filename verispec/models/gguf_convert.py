@@ -76,7 +76,7 @@ from verispec.runtime import verispec_home
 from verispec.models.tokenizer import collect_eos_ids, write_light_tokenizer
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 __all__ = [
     "CONVERSION_VERSION",
@@ -623,7 +623,7 @@ def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: 
                   weights: bool = True) -> None:
     """Write config, generation config, tokenizer and the tensor map of a GGUF into ``out``, and
     with ``weights`` its dequantized tensors as safetensors shards."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     cfg = gguf_hf_config(header, rope_scaling)
     hf_tok = _gguf_tokenizer(header)
@@ -640,18 +640,56 @@ def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: 
                                   pad_token_id=cfg.get("pad_token_id"))  # fmt: skip
     generation.save_pretrained(str(out))
 
-    # The names and shapes transformers expects, from a weightless (meta) model.
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    expected = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
-    del skeleton
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
+    expected = hf_parameter_shapes(config)
     name_map = _gguf_to_hf_names(header, expected)
     tensor_map = {g: [h, list(expected[h])] for g, h in name_map.items() if g in {t.name for t in header.tensors}}
     (out / TENSOR_MAP_FILE).write_text(json.dumps(tensor_map, indent=1) + "\n", encoding="utf-8")
     if weights:
         _write_weights(header, cfg, name_map, expected, out, progress)
+
+
+def hf_parameter_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, ...]]:
+    """The weights transformers' model for ``config`` holds, name -> shape, in its module order,
+    without ``lm_head.weight`` where it is tied to the embedding.
+
+    What a weightless (meta) build of the model lists, written out for the architectures in
+    :data:`GGUF_ARCHITECTURES` (and Mistral): building one imports transformers' modeling code,
+    seconds of a first load, for a table this regular (the tests hold the two equal)."""
+    c = config
+    hidden, ff, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    head_dim = getattr(c, "head_dim", None) or hidden // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    bias = c.model_type == "qwen2" or (c.model_type == "llama" and c.attention_bias)
+    gemma = c.model_type in ("gemma2", "gemma3_text")
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, hidden)}
+    for i in range(layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        if c.model_type == "phi3":  # transformers' Phi3 lists o_proj first
+            shapes[attn + "o_proj.weight"] = (hidden, q)
+            shapes[attn + "qkv_proj.weight"] = (q + 2 * kv, hidden)
+        else:
+            for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                shapes[f"{attn}{name}.weight"] = (rows, hidden)
+                if bias:
+                    shapes[f"{attn}{name}.bias"] = (rows,)
+        shapes.setdefault(attn + "o_proj.weight", (hidden, q))
+        if c.model_type == "llama" and c.attention_bias:
+            shapes[attn + "o_proj.bias"] = (hidden,)
+        if c.model_type in ("qwen3", "gemma3_text"):
+            shapes[attn + "q_norm.weight"] = shapes[attn + "k_norm.weight"] = (head_dim,)
+        if c.model_type == "phi3":
+            shapes[mlp + "gate_up_proj.weight"] = (2 * ff, hidden)
+        else:
+            shapes[mlp + "gate_proj.weight"] = shapes[mlp + "up_proj.weight"] = (ff, hidden)
+        shapes[mlp + "down_proj.weight"] = (hidden, ff)
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if gemma else []
+        for norm in norms:
+            shapes[f"model.layers.{i}.{norm}.weight"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, hidden)
+    return shapes
 
 
 def _gguf_tokenizer(header: GGUFHeader) -> PreTrainedTokenizerBase:
