@@ -7,6 +7,9 @@
 * Phi-3 (fused ``attn_qkv``, and gate and up in one ``ffn_up``): transformers loads the GGUF.
 * Gemma 2 (capped attention scores and logits, sandwich norms, alternating windows): the
   reference is transformers' model on the file's weights, as its GGUF reader drops the caps.
+* Mistral, stored as llama.cpp stores it: a ``llama`` file with ``llama.attention.sliding_window``.
+  transformers' GGUF reader drops the window (it reads a Llama), so the reference is
+  transformers' Mistral on the file's weights, with the window on every layer.
 * Llama with Llama 3.x RoPE scaling, stored as llama.cpp stores it: a ``rope_freqs`` tensor of
   per-dimension factors. transformers' GGUF reader drops that tensor (it would run the file
   unscaled), so the reference is transformers' Llama on the file's weights, whose config carries
@@ -56,6 +59,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 8192}
 THETA = 500000.0
 GEMMA2_WINDOW = 8
+MISTRAL_WINDOW = 8
 N = 96  # teacher-forced tokens
 NATIVE = kernels.available()  # built (or found) at collection, in the real cache, not per test
 
@@ -88,8 +92,10 @@ def llama3_factors(head_dim: int, scaling: dict) -> np.ndarray:
 FLOAT_TYPES = (Q.F16, Q.BF16, Q.F32)
 
 
-def write_gguf(path: Path, arch: str, rope_freqs: dict | None = None, float_weights: bool = False) -> Path:
-    """``float_weights``: every 2-D tensor in F16, BF16 and F32 in turn, in place of the types below."""
+def write_gguf(path: Path, arch: str, rope_freqs: dict | None = None, float_weights: bool = False,
+               window: int | None = None) -> Path:
+    """``float_weights``: every 2-D tensor in F16, BF16 and F32 in turn, in place of the types below;
+    ``window``: the file states a sliding window (for a llama file: Mistral's)."""
     hidden, ff, layers = 64, 256, 2
     heads, kv_heads, head_dim = (2, 1, 128) if arch == "qwen3" else (4, 2, 16)
     writer = GGUFWriter(str(path), arch)
@@ -109,6 +115,8 @@ def write_gguf(path: Path, arch: str, rope_freqs: dict | None = None, float_weig
         writer.add_sliding_window(GEMMA2_WINDOW)
         writer.add_float32("gemma2.attn_logit_softcapping", 5.0)  # small, so the caps bite
         writer.add_float32("gemma2.final_logit_softcapping", 10.0)
+    if window is not None:
+        writer.add_sliding_window(window)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2" if arch == "qwen3" else "default")
     writer.add_token_list(TOKENS)
@@ -251,6 +259,26 @@ def test_gemma2_softcaps_and_window_match_transformers(tmp_path: Path) -> None:
     _check_greedy_identity(loaded)
 
 
+def test_a_llama_file_with_a_sliding_window_runs_as_mistral(tmp_path: Path) -> None:
+    """A window of 8 on every layer, within the 96 teacher-forced tokens, against transformers'
+    MistralForCausalLM on the file's weights; transformers' own reading of the file (a Llama,
+    no window) differs from it far more, so the window is what is checked."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(tmp_path / "tiny-mistral.gguf", "llama", window=MISTRAL_WINDOW)
+    loaded = _check_against_transformers(path, "MistralForCausalLM", on_gguf=False)
+    assert loaded.hf_config["sliding_window"] == MISTRAL_WINDOW
+    c = loaded.model.config
+    assert [c.window(i) for i in range(c.num_layers)] == [MISTRAL_WINDOW] * c.num_layers
+    with torch.inference_mode():
+        dense, _ = _ours(path, dtype="float32", quantization="none")
+        unwindowed = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+        full = unwindowed(_ids()).logits[0]
+    assert (dense[:MISTRAL_WINDOW] - full[:MISTRAL_WINDOW]).abs().max() < 1e-4  # the window does not bite yet
+    assert (dense - full).abs().max() > 1e-2  # and then it does
+    _check_greedy_identity(loaded)
+
+
 def test_llama3_rope_freqs_become_llama3_rope_scaling(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -326,3 +354,34 @@ def test_other_architectures_are_refused_before_converting(tmp_path: Path, arch:
     with pytest.raises(UnsupportedModelError, match=rf"unsupported GGUF architecture '{arch}'.*gemma3"):
         load_model(path, progress=False)
     assert not any((tmp_path / "home" / d).exists() and any((tmp_path / "home" / d).iterdir()) for d in ("converted", "gguf"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
+def test_the_written_out_parameter_table_is_transformers_model(tmp_path: Path, arch: str) -> None:
+    """``hf_parameter_shapes`` lists what a weightless build of transformers' model lists, in
+    order, for each architecture's config as read from a file (tied and untied embeddings, q/k/v
+    biases on Qwen2 and on a Llama that states them)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from verispec.models.gguf_convert import gguf_metadata, hf_parameter_shapes
+
+    if arch in ("qwen2", "gemma3"):  # no synthetic file above: the config of a small one by hand
+        model_type = "gemma3_text" if arch == "gemma3" else arch
+        configs = [AutoConfig.for_model(model_type, num_hidden_layers=2, hidden_size=64, intermediate_size=96,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                        vocab_size=48, tie_word_embeddings=tied, pad_token_id=0)
+                   for tied in (True, False)]  # fmt: skip
+    else:
+        path = write_gguf(tmp_path / f"{arch}.gguf", "llama" if arch == "mistral" else arch,
+                          window=MISTRAL_WINDOW if arch == "mistral" else None)
+        configs = [AutoConfig.from_pretrained(gguf_metadata(path, progress=False))]
+        if arch == "llama":
+            biased = {**configs[0].to_dict(), "attention_bias": True, "tie_word_embeddings": True}
+            configs.append(AutoConfig.for_model(biased.pop("model_type"), **biased))
+    for config in configs:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        expected = [(name, tuple(p.shape)) for name, p in skeleton.named_parameters()]
+        if config.tie_word_embeddings:
+            expected = [(name, shape) for name, shape in expected if name != "lm_head.weight"]
+        assert list(hf_parameter_shapes(config).items()) == expected

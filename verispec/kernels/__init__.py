@@ -266,8 +266,12 @@ def check_format(fmt: int, n: int, k: int) -> None:
 def repack(fmt: int, raw: np.ndarray | Tensor, n: int, k: int) -> PackedWeight:
     """Repack a GGUF tensor's raw blocks (``n`` rows of ``k`` weights each) into the tile layout."""
     check_format(fmt, n, k)
-    if isinstance(raw, np.ndarray):  # an own copy: the source is usually a read-only memory map
-        data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True).reshape(-1))
+    if isinstance(raw, np.ndarray):
+        # Usually a read-only memory map of the file: viewed, not copied, as repacking only reads
+        # it (torch warns about any tensor over read-only memory, since it could be written).
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+            data = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1))
     else:
         data = raw.contiguous().view(torch.uint8).reshape(-1)
     return PackedWeight(fmt, n, k, _lib().repack(fmt, data, n, k))

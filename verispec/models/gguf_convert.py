@@ -17,9 +17,11 @@ unsupported architecture be rejected before any slow work. ``config.json`` is bu
 metadata the way llama.cpp reads it (:func:`gguf_hf_config`); tensors are dequantized with the
 ``gguf`` package, renamed with gguf-py's tensor-name tables and, for Llama, llama.cpp's Q/K row
 interleave is undone; Gemma's norm weights, which llama.cpp stores as ``1 + w``, go back to HF's
-``w``, and Llama 3's ``rope_freqs`` tensor becomes the ``llama3`` rope scaling it encodes. The tokenizer is transformers' own GGUF tokenizer
-(``AutoTokenizer.from_pretrained(..., gguf_file=...)``) with the chat template from the
-metadata; it is the slow step (transformers parses the whole vocabulary twice).
+``w``, and Llama 3's ``rope_freqs`` tensor becomes the ``llama3`` rope scaling it encodes. The tokenizer is the one
+transformers builds for the file (``AutoTokenizer.from_pretrained(..., gguf_file=...)``): its
+converters build it from the vocabulary, merges and token types this module reads
+(:func:`read_gguf_array`), which spares the call's second, much slower reading of the whole
+metadata with gguf-py; a file that path does not cover goes through the call itself.
 
 Precision. :class:`GGUFTensors` gives each tensor's float32 dequantization exactly (what
 transformers' own GGUF reader gives); a model loaded in bfloat16 rounds it once, as it is
@@ -29,7 +31,8 @@ biases) in float32, so transformers' baselines run the file's weights rounded to
 
 Read: the GGUF architectures in :data:`GGUF_ARCHITECTURES` (llama, qwen2, qwen3, gemma2,
 gemma3, phi3, whose fused ``attn_qkv`` and gate-and-up ``ffn_up`` tensors map to HF's fused Phi3
-weights). Not read (clear errors, before any slow work): other architectures (mixture-of-experts,
+weights); a llama file with ``llama.attention.sliding_window`` (Mistral) reads as HF's Mistral,
+the window on every layer. Not read (clear errors, before any slow work): other architectures (mixture-of-experts,
 state-space, multimodal), split GGUF files, RoPE scaling other than linear and ``rope_freqs``
 factors that match no Llama 3 scaling.
 
@@ -56,7 +59,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +76,7 @@ from verispec.runtime import verispec_home
 from verispec.models.tokenizer import collect_eos_ids, write_light_tokenizer
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 __all__ = [
     "CONVERSION_VERSION",
@@ -91,7 +94,8 @@ __all__ = [
 CONVERSION_VERSION = 1
 
 # GGUF ``general.architecture`` values verispec converts, and the HF architecture each becomes.
-# Mistral models are stored as "llama" in GGUF (llama.cpp runs them without a sliding window).
+# Mistral models are stored as "llama" in GGUF; one whose metadata states a sliding window
+# (``llama.attention.sliding_window``) becomes a MistralForCausalLM with that window on every layer.
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                       "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                                       "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
@@ -139,6 +143,8 @@ class GGUFHeader:
     version: int
     metadata: dict[str, Any]
     tensors: tuple[GGUFTensorInfo, ...]
+    # metadata key -> byte offset of the value of each array left undecoded (:func:`read_gguf_array`)
+    arrays: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str | None:
@@ -240,10 +246,14 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
             if n_tensors > size or n_kv > size:
                 raise CorruptGGUFError(path, f"implausible counts: {n_tensors} tensors, {n_kv} metadata entries")
             metadata: dict[str, Any] = {}
+            arrays: dict[str, int] = {}
             for i in range(n_kv):
                 key = cur.string(f"metadata key {i}")
                 vtype = cur.scalar("I", f"type of metadata {key!r}")
+                start = cur.pos
                 metadata[key] = cur.value(vtype, f"metadata {key!r}")
+                if vtype == _ARRAY and metadata[key] is None:
+                    arrays[key] = start
             raw_tensors = []
             for i in range(n_tensors):
                 name = cur.string(f"name of tensor {i}")
@@ -287,7 +297,39 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
                 path, f"tensor {name!r} needs bytes up to {start + nbytes} but the file has only {size}"
             )
         tensors.append(GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, start, nbytes))
-    return GGUFHeader(path=path, version=version, metadata=metadata, tensors=tuple(tensors))
+    return GGUFHeader(path=path, version=version, metadata=metadata, tensors=tuple(tensors), arrays=arrays)
+
+
+def read_gguf_array(header: GGUFHeader, key: str) -> list[Any]:
+    """The items of a metadata array that :func:`read_gguf_header` left undecoded (a vocabulary,
+    its merges, scores or token types): strings as ``str``, numbers as Python ints and floats.
+
+    The header reader already checked that the array lies inside the file."""
+    if key in header.metadata and header.metadata[key] is not None:
+        value = header.metadata[key]
+        if not isinstance(value, list):
+            raise ModelLoadError(f"{header.path}: metadata {key!r} is not an array")
+        return value
+    if key not in header.arrays:
+        raise KeyError(key)
+    with open(header.path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        itype, count = struct.unpack_from("<IQ", buf, header.arrays[key])
+        pos = header.arrays[key] + 12
+        if itype in _SCALAR_FORMATS:
+            fmt = _SCALAR_FORMATS[itype]
+            return list(struct.unpack_from(f"<{count}{fmt}", buf, pos))
+        if itype != _STRING:
+            raise ModelLoadError(f"{header.path}: metadata {key!r} is an array of arrays, which verispec does not read")
+        items: list[str] = []
+        append, length = items.append, struct.Struct("<Q").unpack_from
+        try:
+            for _ in range(count):
+                n = length(buf, pos)[0]
+                append(buf[pos + 8 : pos + 8 + n].decode("utf-8"))
+                pos += 8 + n
+        except UnicodeDecodeError:
+            raise CorruptGGUFError(header.path, f"a string of metadata {key!r} is not valid UTF-8") from None
+        return items
 
 
 def ggml_type_name(ggml_type: int) -> str:
@@ -558,6 +600,13 @@ def gguf_hf_config(header: GGUFHeader, rope_scaling: dict[str, Any] | None = Non
         cfg["use_sliding_window"] = False
     if arch == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        window = get("attention.sliding_window")
+        if isinstance(window, int) and window > 0:  # Mistral: Llama with a window on every layer
+            if cfg.pop("attention_bias"):
+                raise UnsupportedModelError(
+                    f"{header.path}: a llama file with both a sliding window and q/k/v biases is not supported")
+            cfg["model_type"] = "mistral"
+            cfg["sliding_window"] = window
     if arch == "qwen2":
         cfg["use_sliding_window"] = False
         cfg["sliding_window"] = None
@@ -574,7 +623,7 @@ def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: 
                   weights: bool = True) -> None:
     """Write config, generation config, tokenizer and the tensor map of a GGUF into ``out``, and
     with ``weights`` its dequantized tensors as safetensors shards."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     cfg = gguf_hf_config(header, rope_scaling)
     hf_tok = _gguf_tokenizer(header)
@@ -583,7 +632,7 @@ def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: 
 
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg)
-    config.architectures = [GGUF_ARCHITECTURES[header.architecture]]
+    config.architectures = ["MistralForCausalLM" if model_type == "mistral" else GGUF_ARCHITECTURES[header.architecture]]
     hf_tok.save_pretrained(str(out))
     write_light_tokenizer(out)
     config.save_pretrained(str(out))
@@ -591,13 +640,7 @@ def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: 
                                   pad_token_id=cfg.get("pad_token_id"))  # fmt: skip
     generation.save_pretrained(str(out))
 
-    # The names and shapes transformers expects, from a weightless (meta) model.
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    expected = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
-    del skeleton
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
+    expected = hf_parameter_shapes(config)
     name_map = _gguf_to_hf_names(header, expected)
     tensor_map = {g: [h, list(expected[h])] for g, h in name_map.items() if g in {t.name for t in header.tensors}}
     (out / TENSOR_MAP_FILE).write_text(json.dumps(tensor_map, indent=1) + "\n", encoding="utf-8")
@@ -605,14 +648,58 @@ def _convert_into(header: GGUFHeader, rope_scaling: dict[str, Any] | None, out: 
         _write_weights(header, cfg, name_map, expected, out, progress)
 
 
+def hf_parameter_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, ...]]:
+    """The weights transformers' model for ``config`` holds, name -> shape, in its module order,
+    without ``lm_head.weight`` where it is tied to the embedding.
+
+    What a weightless (meta) build of the model lists, written out for the architectures in
+    :data:`GGUF_ARCHITECTURES` (and Mistral): building one imports transformers' modeling code,
+    seconds of a first load, for a table this regular (the tests hold the two equal)."""
+    c = config
+    hidden, ff, layers = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    head_dim = getattr(c, "head_dim", None) or hidden // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    bias = c.model_type == "qwen2" or (c.model_type == "llama" and c.attention_bias)
+    gemma = c.model_type in ("gemma2", "gemma3_text")
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, hidden)}
+    for i in range(layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        if c.model_type == "phi3":  # transformers' Phi3 lists o_proj first
+            shapes[attn + "o_proj.weight"] = (hidden, q)
+            shapes[attn + "qkv_proj.weight"] = (q + 2 * kv, hidden)
+        else:
+            for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                shapes[f"{attn}{name}.weight"] = (rows, hidden)
+                if bias:
+                    shapes[f"{attn}{name}.bias"] = (rows,)
+        shapes.setdefault(attn + "o_proj.weight", (hidden, q))
+        if c.model_type == "llama" and c.attention_bias:
+            shapes[attn + "o_proj.bias"] = (hidden,)
+        if c.model_type in ("qwen3", "gemma3_text"):
+            shapes[attn + "q_norm.weight"] = shapes[attn + "k_norm.weight"] = (head_dim,)
+        if c.model_type == "phi3":
+            shapes[mlp + "gate_up_proj.weight"] = (2 * ff, hidden)
+        else:
+            shapes[mlp + "gate_proj.weight"] = shapes[mlp + "up_proj.weight"] = (ff, hidden)
+        shapes[mlp + "down_proj.weight"] = (hidden, ff)
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"] if gemma else []
+        for norm in norms:
+            shapes[f"model.layers.{i}.{norm}.weight"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, hidden)
+    return shapes
+
+
 def _gguf_tokenizer(header: GGUFHeader) -> PreTrainedTokenizerBase:
     """transformers' tokenizer for a GGUF file, with the chat template from its metadata.
 
-    The file is exposed through a symlink in an empty directory so that no unrelated
-    tokenizer files next to it can leak in.
+    The same tokenizer ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` builds: from the
+    metadata this module reads (:func:`_tokenizer_from_header`) where it covers the file, else
+    through that call. The file is exposed through a symlink in an empty directory so that no
+    unrelated tokenizer files next to it can leak in.
     """
-    from transformers import AutoTokenizer
-
     path = header.path
     try:
         with tempfile.TemporaryDirectory(prefix="verispec-gguf-") as tmp:
@@ -622,7 +709,11 @@ def _gguf_tokenizer(header: GGUFHeader) -> PreTrainedTokenizerBase:
                 where = tmp
             except OSError:  # no symlinks here (e.g. Windows without privileges)
                 where = str(path.parent)
-            hf_tok = AutoTokenizer.from_pretrained(where, gguf_file=path.name, local_files_only=True)
+            hf_tok = _tokenizer_from_header(header, where)
+            if hf_tok is None:
+                from transformers import AutoTokenizer
+
+                hf_tok = AutoTokenizer.from_pretrained(where, gguf_file=path.name, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as exc:
         raise ModelLoadError(f"could not build the tokenizer of GGUF file {path}: {exc}") from exc
     template = header.metadata.get("tokenizer.chat_template")
@@ -630,6 +721,56 @@ def _gguf_tokenizer(header: GGUFHeader) -> PreTrainedTokenizerBase:
         hf_tok.chat_template = template
     hf_tok.name_or_path = path.stem
     return hf_tok
+
+
+# The tokenizer models (``tokenizer.ggml.model``) :func:`_tokenizer_from_header` builds: byte-level
+# BPE and sentencepiece. Others (t5's unigram, gemma4) go through transformers' own reading.
+_TOKENIZER_MODELS = ("gpt2", "llama")
+
+
+def _tokenizer_from_header(header: GGUFHeader, where: str) -> PreTrainedTokenizerBase | None:
+    """What ``AutoTokenizer.from_pretrained(where, gguf_file=...)`` returns, built from this
+    module's reading of the metadata, or None where this does not cover the file.
+
+    transformers' call reads the whole file's metadata twice, once with gguf-py's reader (many
+    seconds for a 150k-token vocabulary) only to learn the model type that picks the tokenizer
+    class. Here the class comes from the architecture, the tokenizer's description is gathered
+    under transformers' key table (``GGUF_TOKENIZER_MAPPING``, as its ``get_gguf_tokenizer``
+    does), transformers' ``convert_gguf_tokenizer`` builds the Rust tokenizer, and the class's
+    own ``from_pretrained`` gets it as ``tokenizer_object``, so every later step is
+    transformers' own. Not covered: architectures outside :data:`GGUF_ARCHITECTURES`, a
+    ``llama`` file named "mistral" (transformers then reads it as Mistral) and tokenizer models
+    outside :data:`_TOKENIZER_MODELS`.
+    """
+    from transformers import CONFIG_MAPPING, TokenizersBackend
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    arch, md = header.architecture, header.metadata
+    if arch not in GGUF_ARCHITECTURES or md.get("general.name") == "mistral":
+        return None
+    if md.get("tokenizer.ggml.model") not in _TOKENIZER_MODELS or "tokenizer.ggml.tokens" not in md:
+        return None
+    tokenizer_class = TOKENIZER_MAPPING.get(CONFIG_MAPPING[_HF_MODEL_TYPES.get(arch, arch)], TokenizersBackend)
+    if tokenizer_class is None or tokenizer_class.__name__ == "MistralCommonBackend":
+        return None
+
+    def value(key: str) -> Any:
+        return read_gguf_array(header, key) if key in header.arrays else md[key]
+
+    groups = {group: {name: value(f"tokenizer.{key}") for key, name in renames.items() if f"tokenizer.{key}" in md}
+              for group, renames in GGUF_TOKENIZER_MAPPING.items()}  # fmt: skip
+    tokenizer, init = groups["tokenizer"], groups["tokenizer_config"]
+    if tokenizer.get("tokenizer_type") == "llama":  # llama.cpp adds BOS to sentencepiece unless told not to
+        init.setdefault("add_bos_token", True)
+    for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items():
+        if name.endswith("_token_id"):  # bos, eos, unk, pad: the token's text, or None
+            token_id = md.get(f"tokenizer.{key}")
+            init[name.removesuffix("_id")] = tokenizer["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(arch, tokenizer)
+    return tokenizer_class.from_pretrained(
+        where, gguf_file=header.path.name, tokenizer_object=backend, local_files_only=True, **init, **extra
+    )
 
 
 def _gguf_to_hf_names(header: GGUFHeader, expected: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
