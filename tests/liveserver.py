@@ -32,8 +32,8 @@ K = 3
 MAX_MODEL_LEN = 96
 
 
-def char_tokenizer() -> Tokenizer:
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+def char_tokenizer(chars: list[str] = CHARS) -> Tokenizer:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
     tk = HFTokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()

@@ -1,0 +1,249 @@
+"""Structured outputs: a grammar masks the target's logits at every verified position.
+
+A request that carries a :class:`Grammar` (a JSON schema, any JSON object, a regex, a Lark
+grammar or a list of choices) gets a :class:`Constraint` when it is prefilled: an llguidance
+matcher that holds the grammar's state after the committed tokens. The engine calls this module at
+three places of a round, and nowhere else:
+
+* :func:`cut` (propose): the drafts are cut before the first one the grammar forbids; the
+  drafts before it keep their q as drafted. (A forbidden draft could never be accepted, since
+  its masked p is 0; cutting it saves the verify positions behind it.)
+* :func:`mask_chain` / :func:`mask_tree` (verify): the target's logits of every verified
+  position become -inf where the grammar forbids the token, before any sampling transform.
+  Row j of a chain ``[t, d_1..d_n]`` is masked with the matcher's state after the committed
+  tokens and ``d_1..d_j``; a tree node with the state after its path from the root. The
+  matcher consumes those drafts to compute the masks and rolls them back, so it is left as it
+  was.
+* :func:`commit` (accept): the matcher consumes the committed tokens, and only those.
+
+Why it stays exact: plain decoding under a grammar samples each token from the masked p. The
+verify pass scores every draft with that same masked p (the state after the drafts before it
+is the state plain decoding would have there), and speculative sampling is exact for any q, so
+the drafter's q is used as drafted. Greedy verification takes the masked argmax, as plain
+greedy decoding does. When the grammar is complete the mask allows only the end-of-generation
+ids, so the sequence ends with EOS; ``ignore_eos`` is refused with a grammar for that reason.
+
+The matcher works on token ids; it reads the vocabulary once per tokenizer
+(:func:`grammar_tokenizer`, cached): each token's bytes, with the special tokens marked, so a
+special token never matches text.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import llguidance
+import torch
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+
+if TYPE_CHECKING:
+    from verispec.models.tokenizer import Tokenizer
+    from verispec.sequence import Sequence
+    from verispec.speculative.base import Proposal
+
+__all__ = ["Constraint", "Grammar", "commit", "cut", "grammar_tokenizer", "mask_chain", "mask_tree", "start"]
+
+GrammarKind = Literal["json_schema", "regex", "lark", "choice"]
+
+# JSON output: no free whitespace (a model could otherwise emit spaces until max_tokens), with
+# the separators OpenAI's and most models' JSON use. A schema's "x-guidance" key overrides them.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_NAMES = {"json_schema": "JSON schema", "regex": "regex", "lark": "grammar", "choice": "choice"}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request's output must match. Build one with the class methods; each checks the
+    grammar's syntax and raises ``ValueError`` with llguidance's message when it is wrong."""
+
+    kind: GrammarKind
+    text: str  # a JSON schema (as JSON), a regex, a Lark grammar, or a JSON list of choices
+    compiled: str = field(init=False, repr=False, compare=False)  # llguidance's grammar
+
+    def __post_init__(self) -> None:
+        if self.kind == "json_schema":
+            try:
+                compiled = LLMatcher.grammar_from_json_schema(self.text, defaults=JSON_OPTIONS)
+            except ValueError as e:
+                raise ValueError(f"invalid JSON schema: {e}") from None
+        elif self.kind == "regex":
+            compiled = LLMatcher.grammar_from_regex(self.text)
+        elif self.kind == "lark":
+            compiled = LLMatcher.grammar_from_lark(self.text)
+        elif self.kind == "choice":
+            choices = json.loads(self.text)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise ValueError("choices must be a non-empty list of non-empty strings")
+            compiled = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        else:
+            raise ValueError(f"unknown grammar kind {self.kind!r}; expected json_schema, regex, lark or choice")
+        error = LLMatcher.validate_grammar(compiled)
+        if error:
+            raise ValueError(f"invalid {_NAMES[self.kind]}: {error.strip()}")
+        object.__setattr__(self, "compiled", compiled)
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str) -> Grammar:
+        """Output that is JSON valid under ``schema`` (the entry point for tool arguments too)."""
+        if isinstance(schema, dict):
+            schema = json.dumps(schema)
+        return cls("json_schema", schema)
+
+    @classmethod
+    def json_object(cls) -> Grammar:
+        """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+        return cls("json_schema", '{"type": "object"}')
+
+    @classmethod
+    def regex(cls, pattern: str) -> Grammar:
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, grammar: str) -> Grammar:
+        """A Lark grammar as llguidance reads it (EBNF-like rules, ``start`` first)."""
+        return cls("lark", grammar)
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> Grammar:
+        """Exactly one of ``choices``."""
+        return cls("choice", json.dumps(list(choices)))
+
+
+class Constraint:
+    """One request's grammar state: the matcher after its committed tokens.
+
+    ``drafts_cut`` counts the drafts :func:`cut` removed (for tests and stats)."""
+
+    def __init__(self, grammar: Grammar, tokenizer: LLTokenizer, vocab_size: int) -> None:
+        self.matcher = LLMatcher(tokenizer, grammar.compiled, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"invalid grammar: {self.matcher.get_error()}")
+        self.vocab_size = vocab_size  # V, the width of the target's logits
+        self.words = (tokenizer.vocab_size + 31) // 32  # int32 words of one bitmask row
+        self.drafts_cut = 0
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar allows after the committed ones."""
+        return self.matcher.validate_tokens(tokens) if tokens else 0
+
+    def masks(self, paths: list[list[int]]) -> torch.Tensor:
+        """``[len(paths), V]`` bool: row i is True where the grammar allows the next token after
+        the committed tokens and ``paths[i]`` (every path must be allowed). The matcher is left
+        as it was."""
+        bits = torch.empty(len(paths), self.words, dtype=torch.int32)  # [rows, words]
+        for i, path in enumerate(paths):
+            if path and not self.matcher.consume_tokens(path):
+                raise RuntimeError(f"the grammar refused a draft it had allowed: {self.matcher.get_error()}")
+            row = bits[i]
+            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            if path:
+                self.matcher.rollback(len(path))
+        allowed = _unpack(bits, self.vocab_size)
+        if not allowed.any(dim=-1).all():
+            raise RuntimeError("the grammar allows no token here (does the model have an end-of-generation id?)")
+        return allowed
+
+    def consume(self, tokens: list[int]) -> None:
+        if tokens and not self.matcher.consume_tokens(tokens):
+            raise RuntimeError(f"the grammar refused a committed token: {self.matcher.get_error()}")
+
+
+def _unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bitmask words ``[rows, words]`` (bit b of word w is token 32 w + b) -> bool ``[rows, V]``;
+    tokens past the tokenizer's vocabulary are never allowed."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)  # [rows, 32 * words]
+    if allowed.shape[1] >= vocab_size:
+        return allowed[:, :vocab_size]
+    return torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+
+
+@functools.lru_cache(maxsize=4)
+def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> LLTokenizer:
+    """llguidance's view of ``tokenizer``'s vocabulary (built once per tokenizer, about a second
+    for a 150k vocabulary): every token's bytes, the special tokens marked, the
+    end-of-generation ids as its EOS. ``vocab_size`` is the width of the target's logits."""
+    tokens = [tokenizer.token_bytes(i) for i in range(len(tokenizer))]
+    eos = sorted(tokenizer.eos_token_ids)
+    if not eos:
+        raise ValueError("structured outputs need a tokenizer with an end-of-generation id")
+    source = _Vocabulary(tokens, eos[0], tokenizer.bos_token_id, sorted(tokenizer.special_token_ids),
+                         lambda text: tokenizer.encode(text, add_special_tokens=False))
+    return LLTokenizer(TokenizerWrapper(source), n_vocab=max(vocab_size, len(tokens)), eos_token=eos)
+
+
+@dataclass
+class _Vocabulary:
+    """What llguidance's ``TokenizerWrapper`` reads from a tokenizer."""
+
+    tokens: list[bytes]
+    eos_token_id: int
+    bos_token_id: int | None
+    special_token_ids: list[int]
+    encode: Any
+
+    def __call__(self, text: str) -> list[int]:
+        return self.encode(text)
+
+
+# ---- the engine's calls ----------------------------------------------------------------------
+
+
+def start(grammar: Grammar | None, tokenizer: Tokenizer, vocab_size: int) -> Constraint | None:
+    """A new request's constraint (None without a grammar)."""
+    if grammar is None:
+        return None
+    return Constraint(grammar, grammar_tokenizer(tokenizer, vocab_size), vocab_size)
+
+
+def cut(seq: Sequence, proposal: Proposal) -> Proposal:
+    """The proposal without its first draft the grammar forbids and everything after it (a
+    chain; a tree is verified whole, see :func:`mask_tree`)."""
+    c = seq.constraint
+    if c is None or proposal.parents is not None or not proposal.tokens:
+        return proposal
+    n = c.allowed_prefix(proposal.tokens)
+    if n == len(proposal.tokens):
+        return proposal
+    from verispec.speculative.base import Proposal  # a cycle at import time otherwise
+
+    c.drafts_cut += len(proposal.tokens) - n
+    probs = None if proposal.probs is None else proposal.probs[:n]
+    return Proposal(proposal.tokens[:n], probs)  # an aux branch (lookahead) is laid out for all n drafts: dropped
+
+
+def mask_chain(seq: Sequence, drafts: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` [1, n+1, V] of ``[t, d_1..d_n]`` with row j masked by the grammar's state after
+    ``d_1..d_j`` (the drafts were cut by :func:`cut`); unchanged without a grammar."""
+    c = seq.constraint
+    if c is None:
+        return logits
+    allowed = c.masks([drafts[:j] for j in range(len(drafts) + 1)]).to(logits.device)  # [n+1, V]
+    return logits.masked_fill(~allowed[None], float("-inf"))
+
+
+def mask_tree(seq: Sequence, parents: tuple[int, ...], tokens: list[int], logits: torch.Tensor) -> torch.Tensor:
+    """A tree's node logits [N, V] (node 0 the root, node i + 1 = ``tokens[i]`` with parent
+    ``parents[i]``), each masked by the grammar's state after its path from the root. A node
+    whose path holds a forbidden draft is left unmasked: it is never reached, since a forbidden
+    draft has masked p = 0 and is never accepted (nor the masked argmax)."""
+    c = seq.constraint
+    if c is None:
+        return logits
+    paths: list[list[int] | None] = [[]]
+    for parent, token in zip(parents, tokens):
+        above = paths[parent]
+        paths.append(None if above is None else [*above, token])
+    reachable = [i for i, path in enumerate(paths) if path is not None and c.allowed_prefix(path) == len(path)]
+    allowed = torch.ones(logits.shape, dtype=torch.bool)  # [N, V]
+    allowed[reachable] = c.masks([paths[i] for i in reachable])
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def commit(seq: Sequence, committed: list[int]) -> None:
+    """The matcher consumes the tokens the round committed (and only those)."""
+    if seq.constraint is not None:
+        seq.constraint.consume(committed)
