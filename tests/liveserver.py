@@ -43,9 +43,9 @@ def char_tokenizer(chars: list[str] = CHARS) -> Tokenizer:
     return Tokenizer(hf)
 
 
-def tiny_target_and_draft():
-    tokenizer = char_tokenizer()
-    vocab = len(SPECIALS) + len(CHARS)
+def tiny_target_and_draft(chars: list[str] = CHARS):
+    tokenizer = char_tokenizer(chars)
+    vocab = len(SPECIALS) + len(chars)
     target = tiny_model(vocab=vocab, seed=1)
     # Special tokens get logit 0 while the largest logit is far above it, so the random model
     # practically never ends early or emits text-less tokens: outputs are long enough to test.
@@ -62,9 +62,10 @@ class LiveServer(BackgroundServer):
 
 
 def make_app(max_num_seqs: int = 4, max_queue: int = 64, api_key: str | None = API_KEY,
-             shutdown_grace_s: float = 1.0, **app_kwargs):
-    """The app of a server on the tiny models; ``app_kwargs`` go to :func:`build_app`."""
-    target, draft = tiny_target_and_draft()
+             shutdown_grace_s: float = 1.0, chars: list[str] = CHARS, **app_kwargs):
+    """The app of a server on the tiny models (their vocabulary: the specials and ``chars``);
+    ``app_kwargs`` go to :func:`build_app`."""
+    target, draft = tiny_target_and_draft(chars)
     drafter = DraftModelDrafter(draft, target.model.config.vocab_size, MAX_MODEL_LEN, num_slots=max_num_seqs)
     spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=K)
     engine = Engine(target, spec, max_model_len=MAX_MODEL_LEN, drafter=drafter, max_num_seqs=max_num_seqs)

@@ -122,12 +122,17 @@ class Constraint:
         if self.matcher.is_error():
             raise ValueError(f"invalid grammar: {self.matcher.get_error()}")
         self.vocab_size = vocab_size  # V, the width of the target's logits
+        self.eos = frozenset(tokenizer.eos_tokens)
         self.words = (tokenizer.vocab_size + 31) // 32  # int32 words of one bitmask row
         self.drafts_cut = 0
 
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many leading ``tokens`` the grammar allows after the committed ones."""
-        return self.matcher.validate_tokens(tokens) if tokens else 0
+        if not tokens:
+            return 0
+        if self.matcher.is_stopped():  # complete: only EOS
+            return next((i for i, t in enumerate(tokens) if t not in self.eos), len(tokens))
+        return self.matcher.validate_tokens(tokens)
 
     def masks(self, paths: list[list[int]]) -> torch.Tensor:
         """``[len(paths), V]`` bool: row i is True where the grammar allows the next token after
@@ -135,20 +140,32 @@ class Constraint:
         as it was."""
         bits = torch.empty(len(paths), self.words, dtype=torch.int32)  # [rows, words]
         for i, path in enumerate(paths):
-            if path and not self.matcher.consume_tokens(path):
-                raise RuntimeError(f"the grammar refused a draft it had allowed: {self.matcher.get_error()}")
+            fed = self._feed(path)
             row = bits[i]
             self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-            if path:
-                self.matcher.rollback(len(path))
+            if fed:
+                self.matcher.rollback(fed)
         allowed = _unpack(bits, self.vocab_size)
         if not allowed.any(dim=-1).all():
             raise RuntimeError("the grammar allows no token here (does the model have an end-of-generation id?)")
         return allowed
 
     def consume(self, tokens: list[int]) -> None:
-        if tokens and not self.matcher.consume_tokens(tokens):
-            raise RuntimeError(f"the grammar refused a committed token: {self.matcher.get_error()}")
+        """Advance past committed tokens."""
+        self._feed(tokens)
+
+    def _feed(self, tokens: list[int]) -> int:
+        """Consume ``tokens``; an EOS once the grammar is complete is taken as it is, not fed
+        (llguidance stops a matcher that nothing can extend). Returns how many were fed (what
+        a rollback undoes)."""
+        fed = 0
+        for t in tokens:
+            if t in self.eos and self.matcher.is_stopped():
+                continue
+            if not self.matcher.consume_token(t):
+                raise RuntimeError(f"the grammar refused token {t}: {self.matcher.get_error()}")
+            fed += 1
+        return fed
 
 
 def _unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -26,6 +26,11 @@ vLLM's extras: ``top_k``, ``min_p``, ``ignore_eos`` and ``stop_token_ids`` (a li
 completion as EOS does, even with ``ignore_eos``; it is counted in ``completion_tokens`` and gives
 no text).
 
+Structured outputs (:mod:`verispec.constraints`): ``response_format`` (``text``, ``json_object``,
+``json_schema``) and vLLM's ``guided_json``, ``guided_regex``, ``guided_grammar`` (Lark, as
+llguidance reads it) and ``guided_choice``; at most one of them per request. A grammar the engine
+cannot compile is a 400 naming the field, with llguidance's message, before anything is generated.
+
 verispec extras:
 
 * request ``speculative``: ``{"enabled": false}`` turns drafting off for this request;
@@ -42,6 +47,7 @@ from typing import Annotated, Literal, NamedTuple
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
 
 from verispec.config import SEED_MAX, SEED_MIN, TOP_K_MAX
+from verispec.constraints import Grammar
 from verispec.metrics import SpecMetrics
 
 MAX_STOP_STRINGS = 16
@@ -102,6 +108,26 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: Text
+    description: Text | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # None: any JSON value
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(_Strict):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None  # required with type json_schema
+
+
+# the fields that ask for a grammar, in the order they are looked at
+GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+
+
 _STREAM_OPTIONS_NEED_STREAM = {
     "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
@@ -130,6 +156,11 @@ class SamplingRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[NonNegativeInt] | None = None  # vLLM's: end like EOS, even with ignore_eos
     speculative: SpeculativeOptions | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict | Text | None = None  # vLLM's: a JSON schema (an object or its JSON text)
+    guided_regex: Text | None = None
+    guided_grammar: Text | None = None  # a Lark grammar as llguidance reads it
+    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     # Accepted only at their neutral value (`refused`); the schema says which.
     n: Int | None = Field(default=1, json_schema_extra={"enum": [1, None]})  # null means 1, as in OpenAI's API
     presence_penalty: float = Field(default=0.0, json_schema_extra={"const": 0})
@@ -146,7 +177,39 @@ class SamplingRequest(_Strict):
                 return Refusal(name, "presence_penalty, frequency_penalty and logit_bias are not supported by verispec")
         if self.stream_options is not None and not self.stream:
             return Refusal("stream_options", "stream_options is only allowed when stream is true")
+        asked = [name for name in GRAMMAR_FIELDS if self._grammar_field(name) is not None]  # at most one
+        if len(asked) > 1:
+            return Refusal(asked[1], f"{' and '.join(asked)} each ask for a grammar; give at most one")
+        fmt = self.response_format
+        if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
+            return Refusal("response_format", 'response_format needs json_schema exactly when its type is "json_schema"')
+        if asked and self.ignore_eos:
+            return Refusal("ignore_eos", f"ignore_eos cannot be combined with {asked[0]}: a complete grammar ends with EOS")
         return None
+
+    def _grammar_field(self, name: str) -> object:
+        value = getattr(self, name)
+        return None if name == "response_format" and value is not None and value.type == "text" else value
+
+    def grammar_field(self) -> str | None:
+        """The field that asks for a grammar (:attr:`refused` allows at most one), or None."""
+        return next((name for name in GRAMMAR_FIELDS if self._grammar_field(name) is not None), None)
+
+    def grammar(self) -> Grammar | None:
+        """The grammar the request asks for, or None. Raises ``ValueError`` (with llguidance's
+        message) when it does not compile."""
+        name = self.grammar_field()
+        if name is None:
+            return None
+        value = self._grammar_field(name)
+        if name == "response_format":
+            if value.type == "json_object":
+                return Grammar.json_object()
+            schema = value.json_schema.schema_
+            return Grammar.json_schema(schema if schema is not None else {})
+        build = {"guided_json": Grammar.json_schema, "guided_regex": Grammar.regex,
+                 "guided_grammar": Grammar.lark, "guided_choice": Grammar.choice}[name]
+        return build(value)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
