@@ -70,15 +70,18 @@ def test_consuming_a_forbidden_token_is_an_error(tok):
         c.consume(ids(tok, "b"))
 
 
-def test_cut_keeps_drafts_before_the_first_forbidden_one_and_their_q(tok):
-    seq = SimpleNamespace(constraint=new(tok, Grammar.regex("(ab)+c")))
-    drafts = ids(tok, "abba")
-    q = torch.rand(len(drafts), len(tok))
+def test_cut_keeps_drafts_before_the_first_forbidden_one_with_q_restricted_to_the_grammar(tok):
+    seq = SimpleNamespace(constraint=new(tok, Grammar.regex("[ab][bc]+d")))
+    drafts = ids(tok, "acxb")
+    q = torch.rand(len(drafts), len(tok)) + 0.1
     cut = constraints.cut(seq, Proposal(drafts, q))
-    assert cut.tokens == drafts[:2] and torch.equal(cut.probs, q[:2])
-    assert seq.constraint.drafts_cut == 2
-    whole = Proposal(ids(tok, "abab"))
-    assert constraints.cut(seq, whole) is whole
+    assert cut.tokens == drafts[:2] and seq.constraint.drafts_cut == 2
+    for row, q_row, allowed in zip(cut.probs, q, ["ab", "bc"]):  # q given that the draft is allowed
+        keep = torch.zeros(len(tok), dtype=torch.bool)
+        keep[ids(tok, allowed)] = True
+        assert torch.allclose(row, torch.where(keep, q_row, 0) / q_row[keep].sum())
+    deterministic = Proposal(ids(tok, "abbd"))
+    assert constraints.cut(seq, deterministic) is deterministic
 
 
 def test_mask_chain_masks_row_j_with_the_state_after_j_drafts(tok):

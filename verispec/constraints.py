@@ -5,9 +5,9 @@ grammar or a list of choices) gets a :class:`Constraint` when it is prefilled: a
 matcher that holds the grammar's state after the committed tokens. The engine calls this module at
 three places of a round, and nowhere else:
 
-* :func:`cut` (propose): the drafts are cut before the first one the grammar forbids; the
-  drafts before it keep their q as drafted. (A forbidden draft could never be accepted, since
-  its masked p is 0; cutting it saves the verify positions behind it.)
+* :func:`cut` (propose): the drafts are cut before the first one the grammar forbids (it could
+  never be accepted, its masked p being 0; cutting it saves the verify positions behind it),
+  and each kept draft's q is restricted to the tokens the grammar allows there (see below).
 * :func:`mask_chain` / :func:`mask_tree` (verify): the target's logits of every verified
   position become -inf where the grammar forbids the token, before any sampling transform.
   Row j of a chain ``[t, d_1..d_n]`` is masked with the matcher's state after the committed
@@ -18,9 +18,15 @@ three places of a round, and nowhere else:
 
 Why it stays exact: plain decoding under a grammar samples each token from the masked p. The
 verify pass scores every draft with that same masked p (the state after the drafts before it
-is the state plain decoding would have there), and speculative sampling is exact for any q, so
-the drafter's q is used as drafted. Greedy verification takes the masked argmax, as plain
-greedy decoding does. When the grammar is complete the mask allows only the end-of-generation
+is the state plain decoding would have there). Speculative sampling is exact for any q, as long
+as the draft was drawn from the q it is verified with: a draft that survives the cut was drawn
+from q conditioned on being allowed, so that conditional (q masked and renormalised) is what
+verification uses. Keeping q as drafted while cutting on the drawn token biases the residual
+(the sampled test in ``tests/engine`` shows it, and its negative control is that mistake).
+A deterministic drafter's drafts are a function of the context, so a cut leaves them exact.
+A tree is not cut: a forbidden node is verified and, with p = 0, always rejected, which is exact
+with its children's q as drafted. Greedy verification takes the masked argmax, as plain greedy
+decoding does. When the grammar is complete the mask allows only the end-of-generation
 ids, so the sequence ends with EOS; ``ignore_eos`` is refused with a grammar for that reason.
 
 The matcher works on token ids; it reads the vocabulary once per tokenizer
@@ -125,6 +131,7 @@ class Constraint:
         self.eos = frozenset(tokenizer.eos_tokens)
         self.words = (tokenizer.vocab_size + 31) // 32  # int32 words of one bitmask row
         self.drafts_cut = 0
+        self._chain: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last chain's drafts and masks
 
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many leading ``tokens`` the grammar allows after the committed ones."""
@@ -150,8 +157,16 @@ class Constraint:
             raise RuntimeError("the grammar allows no token here (does the model have an end-of-generation id?)")
         return allowed
 
+    def chain_masks(self, drafts: list[int]) -> torch.Tensor:
+        """``[n+1, V]``: row j after ``drafts[:j]`` (computed once per round: :func:`cut` and
+        :func:`mask_chain` both ask)."""
+        if self._chain is None or self._chain[0] != tuple(drafts):
+            self._chain = tuple(drafts), self.masks([drafts[:j] for j in range(len(drafts) + 1)])
+        return self._chain[1]
+
     def consume(self, tokens: list[int]) -> None:
         """Advance past committed tokens."""
+        self._chain = None
         self._feed(tokens)
 
     def _feed(self, tokens: list[int]) -> int:
@@ -217,19 +232,34 @@ def start(grammar: Grammar | None, tokenizer: Tokenizer, vocab_size: int) -> Con
 
 
 def cut(seq: Sequence, proposal: Proposal) -> Proposal:
-    """The proposal without its first draft the grammar forbids and everything after it (a
-    chain; a tree is verified whole, see :func:`mask_tree`)."""
+    """The chain without its first draft the grammar forbids and everything after it, each kept
+    draft's q masked by the grammar's state before it and renormalised (a tree is verified
+    whole, see :func:`mask_tree`).
+
+    Why q changes: a sampled draft d_j ~ q_j is kept only if the grammar allows it, so a kept
+    d_j is distributed as q_j restricted to the allowed tokens, and that is the q the
+    acceptance test and the residual must use. Verifying with q as drafted while cutting on
+    the drawn value is not exact (the residual max(p - q, 0) would assume the forbidden
+    draws, which never reach verification, could still be rejected into it). A deterministic
+    drafter (q one-hot) needs no change."""
     c = seq.constraint
     if c is None or proposal.parents is not None or not proposal.tokens:
         return proposal
     n = c.allowed_prefix(proposal.tokens)
-    if n == len(proposal.tokens):
+    if n == len(proposal.tokens) and proposal.probs is None:
         return proposal
     from verispec.speculative.base import Proposal  # a cycle at import time otherwise
 
     c.drafts_cut += len(proposal.tokens) - n
-    probs = None if proposal.probs is None else proposal.probs[:n]
-    return Proposal(proposal.tokens[:n], probs)  # an aux branch (lookahead) is laid out for all n drafts: dropped
+    tokens, probs = proposal.tokens[:n], proposal.probs
+    if probs is not None and n:
+        allowed = c.chain_masks(tokens)[:n].to(probs.device)  # [n, V]: row j for d_{j+1}
+        probs = probs[:n] * allowed
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # > 0: each kept draft is allowed and was drawn
+    elif probs is not None:
+        probs = probs[:0]
+    aux = proposal.aux if n == len(proposal.tokens) else None  # a branch laid out for the cut drafts: dropped
+    return Proposal(tokens, probs, aux=aux)
 
 
 def mask_chain(seq: Sequence, drafts: list[int], logits: torch.Tensor) -> torch.Tensor:
@@ -238,7 +268,7 @@ def mask_chain(seq: Sequence, drafts: list[int], logits: torch.Tensor) -> torch.
     c = seq.constraint
     if c is None:
         return logits
-    allowed = c.masks([drafts[:j] for j in range(len(drafts) + 1)]).to(logits.device)  # [n+1, V]
+    allowed = c.chain_masks(drafts).to(logits.device)  # [n+1, V]
     return logits.masked_fill(~allowed[None], float("-inf"))
 
 

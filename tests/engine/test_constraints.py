@@ -3,8 +3,9 @@
 Greedy: with a grammar, every drafter's output is token-identical to plain decoding with the
 same grammar, and matches it; some drafts are accepted and some cut. Sampled: the χ² harness of
 ``tests/distribution.py`` against the exact constrained distribution (each position's p masked
-with the grammar's state after the tokens before it); a negative control that masks every row
-of a verify pass with the state at the start of the round must fail it.
+with the grammar's state after the tokens before it). The negative control, cutting forbidden
+drafts but verifying the kept ones with q as drafted, must fail it. (Masking a row with the wrong
+state needs no statistics: the matcher then refuses the committed token, and the request fails.)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.constraints import Grammar
 from verispec.engine.engine import Engine
 from verispec.sampling import logits_to_probs
+from verispec.speculative.base import Proposal
 from verispec.speculative.draft_model import DraftModelDrafter
 from verispec.speculative.ngram import NgramDrafter
 
@@ -156,14 +158,14 @@ def test_constrained_speculative_sampling_matches_constrained_plain(small, const
     assert passes(pvalue, tv)
 
 
-def test_masking_every_row_with_the_rounds_first_state_fails(small, constrained_params, monkeypatch):
-    """Negative control: the verify pass's rows all masked as its first row."""
-    def first_state_only(seq, drafts, logits):
-        if seq.constraint is None:
-            return logits
-        allowed = seq.constraint.masks([[]] * (len(drafts) + 1))
-        return logits.masked_fill(~allowed[None], float("-inf"))
+def cut_keeping_q_as_drafted(seq, proposal):
+    """The tempting mistake: cut the chain at its first forbidden draft but verify the kept
+    drafts with q as drafted."""
+    n = seq.constraint.allowed_prefix(proposal.tokens) if seq.constraint and proposal.tokens else len(proposal)
+    return Proposal(proposal.tokens[:n], None if proposal.probs is None else proposal.probs[:n])
 
-    monkeypatch.setattr(constraints, "mask_chain", first_state_only)
+
+def test_negative_control_q_as_drafted_fails(small, constrained_params, monkeypatch):
+    monkeypatch.setattr(constraints, "cut", cut_keeping_q_as_drafted)
     counts, _ = sampled_counts(small, constrained_params)
     assert not passes(*goodness_of_fit(counts, exact_constrained_joint(small[0], constrained_params)))
