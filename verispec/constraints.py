@@ -36,6 +36,7 @@ special token never matches text.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass, field
@@ -248,8 +249,6 @@ def cut(seq: Sequence, proposal: Proposal) -> Proposal:
     n = c.allowed_prefix(proposal.tokens)
     if n == len(proposal.tokens) and proposal.probs is None:
         return proposal
-    from verispec.speculative.base import Proposal  # a cycle at import time otherwise
-
     c.drafts_cut += len(proposal.tokens) - n
     tokens, probs = proposal.tokens[:n], proposal.probs
     if probs is not None and n:
@@ -259,7 +258,7 @@ def cut(seq: Sequence, proposal: Proposal) -> Proposal:
     elif probs is not None:
         probs = probs[:0]
     aux = proposal.aux if n == len(proposal.tokens) else None  # a branch laid out for the cut drafts: dropped
-    return Proposal(tokens, probs, aux=aux)
+    return dataclasses.replace(proposal, tokens=tokens, probs=probs, aux=aux)
 
 
 def mask_chain(seq: Sequence, drafts: list[int], logits: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,11 @@ last row, a plain step's row, or the verify pass's row of an accepted draft, the
 the bonus token (a tree's: its root and accepted path, :meth:`Verified.rows`). They are computed
 after the stop check, for the committed tokens only, and for no other request.
 
+Grammars. A request with ``SamplingParams.grammar`` (structured outputs) gets a matcher at
+prefill; :mod:`verispec.constraints` cuts its drafts at the first one the grammar forbids, masks
+the target's logits of every verified position with the grammar's state after the drafts before
+it, and advances by the committed tokens only. Logprobs are taken from the unmasked logits.
+
 Slots and prefix caching are in :mod:`verispec.engine.slots`, the cost calibration of an
 adaptive engine in :mod:`verispec.engine.calibration`, and what happens when something fails (one
 sequence fails, never the batch) in :mod:`verispec.engine.faults`.
