@@ -147,15 +147,21 @@ class Constraint:
         the committed tokens and ``paths[i]`` (every path must be allowed). The matcher is left
         as it was."""
         bits = torch.empty(len(paths), self.words, dtype=torch.int32)  # [rows, words]
+        unfinished = []  # rows where the output cannot end yet
         for i, path in enumerate(paths):
             fed = self._feed(path)
             row = bits[i]
             self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            if not (self.matcher.is_accepting() or self.matcher.is_stopped()):
+                unfinished.append(i)
             if fed:
                 self.matcher.rollback(fed)
         allowed = _unpack(bits, self.vocab_size)
-        if not allowed.any(dim=-1).all():
-            raise RuntimeError("the grammar allows no token here (does the model have an end-of-generation id?)")
+        # llguidance offers EOS at a dead end (nothing in the vocabulary continues the grammar);
+        # EOS is never right before the grammar is complete
+        allowed[torch.tensor(unfinished, dtype=torch.long)[:, None], torch.tensor(sorted(self.eos))] = False
+        if not allowed.any(dim=-1).all():  # a ValueError: the request's grammar, not the engine, is at fault
+            raise ValueError("the grammar allows no token of this model's vocabulary here")
         return allowed
 
     def chain_masks(self, drafts: list[int]) -> torch.Tensor:

@@ -85,3 +85,9 @@ def test_a_bad_grammar_is_a_400_naming_the_field(client, body, param, message):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body=body)
     assert e.value.body["param"] == param and message in e.value.body["message"]
+
+
+def test_a_grammar_the_vocabulary_cannot_spell_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="a b c", extra_body={"guided_regex": "é+"})
+    assert "allows no token" in e.value.body["message"]

@@ -42,6 +42,7 @@ verispec extras:
 
 from __future__ import annotations
 
+import itertools
 from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema
@@ -118,7 +119,10 @@ class JsonSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={  # json_schema exactly with its type
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}},
+        "else": {"properties": {"json_schema": {"type": "null"}}}})
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None  # required with type json_schema
@@ -126,6 +130,23 @@ class ResponseFormat(_Strict):
 
 # the fields that ask for a grammar, in the order they are looked at
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+
+
+def _asks(name: str) -> dict:
+    """JSON Schema: the request sets ``name`` (a grammar field: not null, not response_format's
+    "text"; ignore_eos: true)."""
+    if name == "ignore_eos":
+        value: dict = {"const": True}
+    elif name == "response_format":
+        value = {"type": "object", "required": ["type"], "properties": {"type": {"not": {"const": "text"}}}}
+    else:
+        value = {"not": {"type": "null"}}
+    return {"required": [name], "properties": {name: value}}
+
+
+# what `refused` checks across fields: at most one grammar, and none with ignore_eos
+_ONE_GRAMMAR = {"not": {"anyOf": [{"allOf": [_asks(a), _asks(b)]}
+                                  for a, b in itertools.combinations(("ignore_eos", *GRAMMAR_FIELDS), 2)]}}
 
 
 _STREAM_OPTIONS_NEED_STREAM = {
@@ -139,8 +160,9 @@ _TOP_LOGPROBS_NEED_LOGPROBS = {
 class SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
-    # The schema states what `refused` checks across fields: stream_options needs stream true.
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_STREAM_OPTIONS_NEED_STREAM)
+    # The schema states what `refused` checks across fields: stream_options needs stream true, at
+    # most one grammar, none with ignore_eos.
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_GRAMMAR]})
 
     model: Text | None = None
     max_tokens: PositiveInt | None = None
@@ -263,7 +285,8 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS]})
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS,
+                                                           _ONE_GRAMMAR]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = None
