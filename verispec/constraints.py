@@ -42,7 +42,6 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-import llguidance
 import torch
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 
@@ -82,7 +81,7 @@ class Grammar:
             compiled = LLMatcher.grammar_from_lark(self.text)
         elif self.kind == "choice":
             choices = json.loads(self.text)
-            if not choices or not all(isinstance(c, str) and c for c in choices):
+            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
                 raise ValueError("choices must be a non-empty list of non-empty strings")
             compiled = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
         else:

@@ -29,6 +29,7 @@ from verispec.engine.engine import Engine
 from verispec.sampling import logits_to_probs
 from verispec.speculative.base import Proposal
 from verispec.speculative.draft_model import DraftModelDrafter
+from verispec.speculative.draft_tree import TreeDraftModelDrafter
 from verispec.speculative.ngram import NgramDrafter
 
 K = 3
@@ -169,3 +170,19 @@ def test_negative_control_q_as_drafted_fails(small, constrained_params, monkeypa
     monkeypatch.setattr(constraints, "cut", cut_keeping_q_as_drafted)
     counts, _ = sampled_counts(small, constrained_params)
     assert not passes(*goodness_of_fit(counts, exact_constrained_joint(small[0], constrained_params)))
+
+
+@pytest.mark.long
+def test_constrained_tree_sampling_matches_constrained_plain(small, constrained_params):
+    """A sampled tree is not cut: its forbidden children are verified (masked p = 0, always
+    rejected) with their siblings' q as drafted."""
+    target, draft = small
+    drafter = TreeDraftModelDrafter(draft, target.model.config.vocab_size, 64, depth=2, topk=3, budget=6,
+                                    children="without_replacement")
+    engine = Engine(target, SpeculativeConfig(method="given", num_speculative_tokens=2, adaptive=False),
+                    max_model_len=64, drafter=drafter)
+    counts = sample_counts(lambda p: engine.generate(PROMPT, p).output_ids, constrained_params)
+    pvalue, tv = goodness_of_fit(counts, exact_constrained_joint(target, constrained_params))
+    print(f"tree: acceptance {engine.metrics.acceptance_rate:.3f}, chi2 p={pvalue:.4f}, max marginal TV={tv:.4f}")
+    assert engine.metrics.tree_rounds > 0 and engine.metrics.num_accepted_tokens > 0
+    assert passes(pvalue, tv)
