@@ -76,11 +76,12 @@ def generate(target, prompt: str, params: SamplingParams, drafter=None):
 @pytest.mark.parametrize("grammar", list(GRAMMARS))
 def test_constrained_greedy_output_identical_to_plain(models, kind, grammar):
     target, draft = models
-    params = SamplingParams(temperature=0.0, max_tokens=120, grammar=GRAMMARS[grammar])
+    params = SamplingParams(temperature=0.0, max_tokens=120, grammar=GRAMMARS[grammar], logprobs=3)
     prompt = 'name: "abc", tags: ["ab", "ba"], ok: true. ab ab bca bca dab dab'
     plain = generate(target, prompt, params)
     spec = generate(target, prompt, params, drafter_for(kind, draft, target.model.config.vocab_size))
     assert spec.output_ids == plain.output_ids
+    assert spec.output_logprobs == plain.output_logprobs  # the same floats: raw, before the mask
     assert plain.finish_reason == "stop"  # the grammar completed and EOS ended it
     if grammar == "json_schema":
         doc = json.loads(plain.text)
@@ -90,6 +91,8 @@ def test_constrained_greedy_output_identical_to_plain(models, kind, grammar):
         assert re.fullmatch(REGEX, plain.text)
     else:
         assert re.fullmatch("[a-z0-9 ,]{40,80}[.]", plain.text)
+    # raw: the greedy token is the masked argmax, and somewhere the unmasked argmax was forbidden
+    assert any(entry.top[0][0] != entry.token_id for entry in plain.output_logprobs)
     assert spec.metrics.num_accepted_tokens > 0  # not vacuous: drafts were verified under the mask
     if kind == "draft_model":
         assert spec.constraint.drafts_cut > 0  # and some were cut before verification
