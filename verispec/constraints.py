@@ -129,7 +129,7 @@ class Constraint:
             raise ValueError(f"invalid grammar: {self.matcher.get_error()}")
         self.vocab_size = vocab_size  # V, the width of the target's logits
         self.eos = frozenset(tokenizer.eos_tokens)
-        self.words = (tokenizer.vocab_size + 31) // 32  # int32 words of one bitmask row
+        self.grammar_vocab = tokenizer.vocab_size  # >= V: the mask's width
         self.drafts_cut = 0
         self._chain: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last chain's drafts and masks
 
@@ -145,30 +145,47 @@ class Constraint:
         """``[len(paths), V]`` bool: row i is True where the grammar allows the next token after
         the committed tokens and ``paths[i]`` (every path must be allowed). The matcher is left
         as it was."""
-        bits = torch.empty(len(paths), self.words, dtype=torch.int32)  # [rows, words]
+        allowed = torch.empty(len(paths), self.grammar_vocab, dtype=torch.bool)  # [rows, V']
         unfinished = []  # rows where the output cannot end yet
         for i, path in enumerate(paths):
             fed = self._feed(path)
-            row = bits[i]
-            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-            if not (self.matcher.is_accepting() or self.matcher.is_stopped()):
-                unfinished.append(i)
+            self._mask_row(allowed, i, unfinished)
             if fed:
                 self.matcher.rollback(fed)
-        allowed = _unpack(bits, self.vocab_size)
+        return self._checked(allowed, unfinished)
+
+    def chain_masks(self, drafts: list[int]) -> torch.Tensor:
+        """``[n+1, V]``: row j after ``drafts[:j]`` (every draft must be allowed), as :meth:`masks`
+        gives it, feeding each draft once. Computed once per round: :func:`cut` and
+        :func:`mask_chain` both ask."""
+        if self._chain is not None and self._chain[0] == tuple(drafts):
+            return self._chain[1]
+        allowed = torch.empty(len(drafts) + 1, self.grammar_vocab, dtype=torch.bool)  # [n+1, V']
+        unfinished: list[int] = []
+        fed = 0
+        for j in range(len(drafts) + 1):
+            if j:
+                fed += self._feed(drafts[j - 1 : j])
+            self._mask_row(allowed, j, unfinished)
+        if fed:
+            self.matcher.rollback(fed)
+        self._chain = tuple(drafts), self._checked(allowed, unfinished)
+        return self._chain[1]
+
+    def _mask_row(self, allowed: torch.Tensor, i: int, unfinished: list[int]) -> None:
+        # one byte per token (0: forbidden); unpacking llguidance's bitmask in torch is slower
+        allowed[i] = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8) != 0
+        if not (self.matcher.is_accepting() or self.matcher.is_stopped()):
+            unfinished.append(i)
+
+    def _checked(self, allowed: torch.Tensor, unfinished: list[int]) -> torch.Tensor:
+        allowed = allowed[:, : self.vocab_size]  # [rows, V]: the tokenizer's extra ids are never sampled
         # llguidance offers EOS at a dead end (nothing in the vocabulary continues the grammar);
         # EOS is never right before the grammar is complete
         allowed[torch.tensor(unfinished, dtype=torch.long)[:, None], torch.tensor(sorted(self.eos))] = False
         if not allowed.any(dim=-1).all():  # a ValueError: the request's grammar, not the engine, is at fault
             raise ValueError("the grammar allows no token of this model's vocabulary here")
         return allowed
-
-    def chain_masks(self, drafts: list[int]) -> torch.Tensor:
-        """``[n+1, V]``: row j after ``drafts[:j]`` (computed once per round: :func:`cut` and
-        :func:`mask_chain` both ask)."""
-        if self._chain is None or self._chain[0] != tuple(drafts):
-            self._chain = tuple(drafts), self.masks([drafts[:j] for j in range(len(drafts) + 1)])
-        return self._chain[1]
 
     def consume(self, tokens: list[int]) -> None:
         """Advance past committed tokens."""
@@ -187,16 +204,6 @@ class Constraint:
                 raise RuntimeError(f"the grammar refused token {t}: {self.matcher.get_error()}")
             fed += 1
         return fed
-
-
-def _unpack(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Bitmask words ``[rows, words]`` (bit b of word w is token 32 w + b) -> bool ``[rows, V]``;
-    tokens past the tokenizer's vocabulary are never allowed."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)  # [rows, 32 * words]
-    if allowed.shape[1] >= vocab_size:
-        return allowed[:, :vocab_size]
-    return torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
 
 
 @functools.lru_cache(maxsize=4)
