@@ -108,11 +108,17 @@ def test_mask_tree_masks_each_node_with_its_path(tok):
     (lambda: Grammar.json_schema("{"), "invalid JSON schema"),
     (lambda: Grammar.regex("a(b"), "(?s)invalid regex.*unclosed group"),
     (lambda: Grammar.lark("start: foo"), "(?s)invalid grammar.*foo"),
+    (lambda: Grammar.lark("root ::= ("), "invalid grammar"),
     (lambda: Grammar.choice([]), "non-empty list"),
 ])
 def test_bad_grammars_are_refused_with_the_engines_message(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_gbnf_is_read_as_lark(tok):
+    c = new(tok, Grammar.lark('root ::= "yes" | "no"'))
+    assert allowed_text(tok, c.masks([[]])[0]) == {"y", "n"}
 
 
 def test_ignore_eos_with_a_grammar_is_refused():

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 if TYPE_CHECKING:
     from verispec.models.tokenizer import Tokenizer
@@ -66,7 +67,7 @@ class Grammar:
     grammar's syntax and raises ``ValueError`` with llguidance's message when it is wrong."""
 
     kind: GrammarKind
-    text: str  # a JSON schema (as JSON), a regex, a Lark grammar, or a JSON list of choices
+    text: str  # a JSON schema (as JSON), a regex, a Lark or GBNF grammar, or a JSON list of choices
     compiled: str = field(init=False, repr=False, compare=False)  # llguidance's grammar
 
     def __post_init__(self) -> None:
@@ -77,8 +78,11 @@ class Grammar:
                 raise ValueError(f"invalid JSON schema: {e}") from None
         elif self.kind == "regex":
             compiled = LLMatcher.grammar_from_regex(self.text)
-        elif self.kind == "lark":
-            compiled = LLMatcher.grammar_from_lark(self.text)
+        elif self.kind == "lark":  # or GBNF (llama.cpp's), which llguidance converts to Lark
+            try:
+                compiled = LLMatcher.grammar_from_lark(any_to_lark(self.text))
+            except (GbnfToLarkError, ValueError) as e:
+                raise ValueError(f"invalid grammar: {e}") from None
         elif self.kind == "choice":
             choices = json.loads(self.text)
             if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
@@ -109,7 +113,8 @@ class Grammar:
 
     @classmethod
     def lark(cls, grammar: str) -> Grammar:
-        """A Lark grammar as llguidance reads it (EBNF-like rules, ``start`` first)."""
+        """A Lark grammar as llguidance reads it (``start: ...``), or a GBNF one as llama.cpp
+        reads it (``root ::= ...``), converted to Lark by llguidance."""
         return cls("lark", grammar)
 
     @classmethod

@@ -128,8 +128,8 @@ def exact_constrained_joint(target, params: SamplingParams) -> np.ndarray:
         rows = [list(prefix[:i]) for i in range(3)]
         reachable = [i for i, r in enumerate(rows) if c.allowed_prefix(r) == len(r)]
         allowed[b, reachable] = c.masks([rows[i] for i in reachable])
-    probs = logits_to_probs(logits.masked_fill(~allowed, float("-inf")), params.temperature, params.top_k, params.top_p, params.min_p).double()
-    probs = torch.nan_to_num(probs)  # rows after a forbidden prefix: never reached
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    probs = logits_to_probs(masked, params.temperature, params.top_k, params.top_p, params.min_p).double()
     p1 = probs[0, 0]  # [V]
     p2 = probs[torch.arange(vocab) * vocab, 1]  # [V(t1), V]: prefix (t1, 0)
     p3 = probs[:, 2].view(vocab, vocab, vocab)

@@ -65,7 +65,8 @@ def test_json_object_on_completions(client):
     else:  # the random model's keys run long: out of tokens, the text is a prefix of a JSON object
         tok = char_tokenizer(JSON_CHARS)
         ids = tok.encode(text, add_special_tokens=False)
-        assert text.startswith("{") and constraints.start(Grammar.json_object(), tok, len(tok)).allowed_prefix(ids) == len(ids)
+        matcher = constraints.start(Grammar.json_object(), tok, len(tok))
+        assert text.startswith("{") and matcher.allowed_prefix(ids) == len(ids)
 
 
 def test_guided_regex_and_choice(client):

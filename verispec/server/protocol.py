@@ -28,8 +28,9 @@ no text).
 
 Structured outputs (:mod:`verispec.constraints`): ``response_format`` (``text``, ``json_object``,
 ``json_schema``) and vLLM's ``guided_json``, ``guided_regex``, ``guided_grammar`` (Lark, as
-llguidance reads it) and ``guided_choice``; at most one of them per request. A grammar the engine
-cannot compile is a 400 naming the field, with llguidance's message, before anything is generated.
+llguidance reads it, or GBNF) and ``guided_choice``; at most one of them per request, and none
+with ``ignore_eos``. A grammar the engine cannot compile is a 400 naming the field, with
+llguidance's message, before anything is generated.
 
 verispec extras:
 
@@ -181,7 +182,7 @@ class SamplingRequest(_Strict):
     response_format: ResponseFormat | None = None
     guided_json: dict | Text | None = None  # vLLM's: a JSON schema (an object or its JSON text)
     guided_regex: Text | None = None
-    guided_grammar: Text | None = None  # a Lark grammar as llguidance reads it
+    guided_grammar: Text | None = None  # a Lark grammar as llguidance reads it, or GBNF
     guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     # Accepted only at their neutral value (`refused`); the schema says which.
     n: Int | None = Field(default=1, json_schema_extra={"enum": [1, None]})  # null means 1, as in OpenAI's API
@@ -204,9 +205,11 @@ class SamplingRequest(_Strict):
             return Refusal(asked[1], f"{' and '.join(asked)} each ask for a grammar; give at most one")
         fmt = self.response_format
         if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
-            return Refusal("response_format", 'response_format needs json_schema exactly when its type is "json_schema"')
+            return Refusal("response_format",
+                           'response_format needs json_schema exactly when its type is "json_schema"')
         if asked and self.ignore_eos:
-            return Refusal("ignore_eos", f"ignore_eos cannot be combined with {asked[0]}: a complete grammar ends with EOS")
+            return Refusal("ignore_eos",
+                           f"ignore_eos cannot be combined with {asked[0]}: a complete grammar ends with EOS")
         return None
 
     def _grammar_field(self, name: str) -> object:
