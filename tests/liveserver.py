@@ -46,8 +46,8 @@ TOOLS_CHAT_TEMPLATE = (
 )
 
 
-def char_tokenizer(chat_template: str = CHAT_TEMPLATE) -> Tokenizer:
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+def char_tokenizer(chars: list[str] = CHARS, chat_template: str = CHAT_TEMPLATE) -> Tokenizer:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
     tk = HFTokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
@@ -57,9 +57,9 @@ def char_tokenizer(chat_template: str = CHAT_TEMPLATE) -> Tokenizer:
     return Tokenizer(hf)
 
 
-def tiny_target_and_draft(chat_template: str = CHAT_TEMPLATE):
-    tokenizer = char_tokenizer(chat_template)
-    vocab = len(SPECIALS) + len(CHARS)
+def tiny_target_and_draft(chars: list[str] = CHARS, chat_template: str = CHAT_TEMPLATE):
+    tokenizer = char_tokenizer(chars, chat_template)
+    vocab = len(SPECIALS) + len(chars)
     target = tiny_model(vocab=vocab, seed=1)
     # Special tokens get logit 0 while the largest logit is far above it, so the random model
     # practically never ends early or emits text-less tokens: outputs are long enough to test.
@@ -76,9 +76,11 @@ class LiveServer(BackgroundServer):
 
 
 def make_app(max_num_seqs: int = 4, max_queue: int = 64, api_key: str | None = API_KEY,
-             shutdown_grace_s: float = 1.0, chat_template: str = CHAT_TEMPLATE, **app_kwargs):
-    """The app of a server on the tiny models; ``app_kwargs`` go to :func:`build_app`."""
-    target, draft = tiny_target_and_draft(chat_template)
+             shutdown_grace_s: float = 1.0, chars: list[str] = CHARS, chat_template: str = CHAT_TEMPLATE,
+             **app_kwargs):
+    """The app of a server on the tiny models (their vocabulary: the specials and ``chars``);
+    ``app_kwargs`` go to :func:`build_app`."""
+    target, draft = tiny_target_and_draft(chars, chat_template)
     drafter = DraftModelDrafter(draft, target.model.config.vocab_size, MAX_MODEL_LEN, num_slots=max_num_seqs)
     spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=K)
     engine = Engine(target, spec, max_model_len=MAX_MODEL_LEN, drafter=drafter, max_num_seqs=max_num_seqs)

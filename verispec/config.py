@@ -11,6 +11,10 @@ import ast
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from verispec.constraints import Grammar
 
 TREE_CHILD_MODES = ("topk", "iid", "without_replacement")
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64 (torch.Generator.manual_seed takes [-2**63, 2**64))
@@ -39,6 +43,9 @@ class SamplingParams:
     # Return each emitted token's logprob and this many most likely tokens at its position
     # (0: the emitted token's only); None computes none. See :mod:`verispec.logprobs`.
     logprobs: int | None = None
+    # What the output must match (structured outputs), applied to every verified position's
+    # logits; see :mod:`verispec.constraints`.
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -63,6 +70,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be token ids (>= 0), got {sorted(self.stop_token_ids)}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
+        if self.grammar is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a grammar: a complete grammar ends with EOS")
 
     @property
     def greedy(self) -> bool:

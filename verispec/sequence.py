@@ -8,6 +8,7 @@ next round, followed by that round's drafts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from verispec.config import SamplingParams
 from verispec.detokenize import IncrementalDetokenizer, StopChecker
 from verispec.logprobs import TokenLogprob
 from verispec.metrics import SpecMetrics
+
+if TYPE_CHECKING:
+    from verispec.constraints import Constraint
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -49,6 +53,9 @@ class Sequence:
     # prompt position (the last one gave the first output token). None when the drafter reads
     # no hidden states. [n, F]
     target_hidden: torch.Tensor | None = None
+    # The grammar's state after the committed tokens, for a request with a grammar
+    # (:mod:`verispec.constraints`).
+    constraint: Constraint | None = None
     stop_checker: StopChecker = field(init=False)
 
     def __post_init__(self) -> None:

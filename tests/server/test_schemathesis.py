@@ -3,8 +3,9 @@ is accepted with a response the document describes, every request it forbids is 
 401, 404, ...), and nothing is ever a 500.
 
 The document cannot state the limits of the server's model: its context (96 tokens), its
-vocabulary, its k and whether its chat template renders tools. A hook fits positive cases into them (and keeps generation to a few
-tokens); negative cases go out as generated. Schemathesis needs the document when the tests are
+vocabulary, its k, whether its chat template renders tools, nor whether a grammar compiles. A hook
+fits positive cases into them (and keeps generation to a few tokens); negative cases go out as
+generated. Schemathesis needs the document when the tests are
 collected, so it comes from an app built like the live server's, and the test checks that the
 live server serves the same one.
 """
@@ -19,6 +20,7 @@ import schemathesis
 from hypothesis import settings
 
 from liveserver import API_KEY, CHARS, K, MAX_MODEL_LEN, SPECIALS, make_app, make_server
+from verispec.server.protocol import GRAMMAR_FIELDS
 
 SEED = 0
 MAX_EXAMPLES = 1000  # fuzzed cases per operation; the coverage and examples phases add their own
@@ -65,6 +67,10 @@ def map_case(_context, case):
                 message["content"] = message["content"][:10]
             elif isinstance(message.get("content"), list):
                 message["content"] = [{**part, "text": part["text"][:5]} for part in message["content"][:2]]
+    if any(body.get(field) is not None for field in GRAMMAR_FIELDS):
+        # whether a grammar compiles, and whether the vocabulary can spell it, is not in the
+        # document: one that does, for the tiny server's letters
+        body.update({field: None for field in GRAMMAR_FIELDS}, guided_choice=["ab", "c d"], ignore_eos=False)
     speculative = body.get("speculative")
     if isinstance(speculative, dict) and speculative.get("num_speculative_tokens") is not None:
         speculative["num_speculative_tokens"] = min(speculative["num_speculative_tokens"], K)

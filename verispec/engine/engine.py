@@ -57,6 +57,11 @@ last row, a plain step's row, or the verify pass's row of an accepted draft, the
 the bonus token (a tree's: its root and accepted path, :meth:`Verified.rows`). They are computed
 after the stop check, for the committed tokens only, and for no other request.
 
+Grammars. A request with ``SamplingParams.grammar`` (structured outputs) gets a matcher at
+prefill; :mod:`verispec.constraints` cuts its drafts at the first one the grammar forbids, masks
+the target's logits of every verified position with the grammar's state after the drafts before
+it, and advances by the committed tokens only. Logprobs are taken from the unmasked logits.
+
 Slots and prefix caching are in :mod:`verispec.engine.slots`, the cost calibration of an
 adaptive engine in :mod:`verispec.engine.calibration`, and what happens when something fails (one
 sequence fails, never the batch) in :mod:`verispec.engine.faults`.
@@ -71,6 +76,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from verispec import constraints
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.detokenize import IncrementalDetokenizer
 from verispec.engine import faults
@@ -291,6 +297,7 @@ class Engine:
             detokenizer=IncrementalDetokenizer(tok, prompt_ids),
             slot=slot,
             num_speculative_tokens=num_speculative_tokens,
+            constraint=constraints.start(params.grammar, tok, self.model.config.vocab_size),
         )
         t0 = time.perf_counter()
         # positions kept from an earlier request; the prompt's last token is always run, for its logits
@@ -306,6 +313,7 @@ class Engine:
             seq.target_hidden = features[0]  # [P, F]
         result = self._verify_logits(seq, EMPTY_PROPOSAL, logits)
         committed, _ = seq.append(result.committed(0))
+        constraints.commit(seq, committed)
         _record_logprobs(seq, logits[0], [0], committed)
         if self.drafter is not None and not seq.finished:
             self.drafter.start(seq)  # per-request set-up (a draft model defers reading the prompt)
@@ -329,6 +337,7 @@ class Engine:
         t0 = time.perf_counter()
         proposal = self.drafter.propose(seq, k)
         self.costs.record_proposal(len(proposal), time.perf_counter() - t0)
+        proposal = constraints.cut(seq, proposal)
         if proposal.depth() > k:
             raise RuntimeError(f"drafter proposed a depth of {proposal.depth()}, more than the {k} asked for")
         if proposal.values is not None and len(proposal) > 1 and not _fixed_k(seq):
@@ -454,6 +463,7 @@ class Engine:
                         features=None if features is None else features[0, :n1], logits=logits[0, :n1])
 
     def _verify_logits(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> VerifyResult:
+        logits = constraints.mask_chain(seq, proposal.tokens, logits)  # [1, n+1, V]
         p = seq.params
         draft = torch.tensor([proposal.tokens], dtype=torch.long, device=logits.device)  # [1, n]
         if p.greedy:
@@ -473,10 +483,11 @@ class Engine:
         logits = logits[0]  # [N, V]
         seq.metrics.record_target(len(tree), time.perf_counter() - t0)
         p = seq.params
+        masked = constraints.mask_tree(seq, proposal.parents, proposal.tokens, logits)  # [N, V]
         if p.greedy:
-            result = verify_tree_greedy(tree, proposal.tokens, logits)
+            result = verify_tree_greedy(tree, proposal.tokens, masked)
         else:
-            target_probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [N, V]
+            target_probs = logits_to_probs(masked, p.temperature, p.top_k, p.top_p, p.min_p)  # [N, V]
             result = verify_tree_stochastic(tree, proposal.tokens, proposal.probs, target_probs,
                                             proposal.children, seq.generator)
         seq.metrics.record_tree(len(proposal), result.num_accepted)
@@ -486,6 +497,7 @@ class Engine:
 
     def _accept(self, seq: Sequence, proposal: Proposal, verified: Verified) -> tuple[Outcome, str]:
         committed, text = seq.append(verified.result.committed(0))
+        constraints.commit(seq, committed)
         _record_logprobs(seq, verified.logits, verified.rows(len(committed)), committed)
         outcome = Outcome(len(proposal), int(verified.result.num_accepted[0]), committed, verified.aux_logits)
         seq.metrics.record_round(outcome.num_proposed, outcome.num_accepted, len(committed))

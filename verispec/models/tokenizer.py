@@ -241,6 +241,12 @@ class Tokenizer:
         return len(self)
 
     @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens (chat markers, EOS, ...): they never stand for text."""
+        added = self._backend.get_added_tokens_decoder() if self._backend is not None else self.hf.added_tokens_decoder
+        return frozenset(int(i) for i, token in added.items() if token.special)
+
+    @property
     def bos_token_id(self) -> int | None:
         return self._light["bos_token_id"] if self._light is not None else self.hf.bos_token_id
 

@@ -508,10 +508,15 @@ class _Service:
                            f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "
                            f"{max_tokens} for the completion)", code="context_length_exceeded", param=param)
         try:
+            grammar = body.grammar()  # compiled here: a bad one is a 400 before anything runs
+        except ValueError as e:
+            raise APIError(400, str(e), param=body.grammar_field()) from None
+        try:
             return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                   min_p=body.min_p, max_tokens=max_tokens, stop=body.stop_strings(),
                                   ignore_eos=body.ignore_eos, stop_token_ids=frozenset(body.stop_token_ids or ()),
-                                  seed=body.seed, logprobs=body.requested_logprobs())
+                                  seed=body.seed, logprobs=body.requested_logprobs(),
+                                  grammar=grammar)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 

@@ -26,6 +26,12 @@ vLLM's extras: ``top_k``, ``min_p``, ``ignore_eos`` and ``stop_token_ids`` (a li
 completion as EOS does, even with ``ignore_eos``; it is counted in ``completion_tokens`` and gives
 no text).
 
+Structured outputs (:mod:`verispec.constraints`): ``response_format`` (``text``, ``json_object``,
+``json_schema``) and vLLM's ``guided_json``, ``guided_regex``, ``guided_grammar`` (Lark, as
+llguidance reads it, or GBNF) and ``guided_choice``; at most one of them per request, and none
+with ``ignore_eos``. A grammar the engine cannot compile is a 400 naming the field, with
+llguidance's message, before anything is generated.
+
 verispec extras:
 
 * request ``speculative``: ``{"enabled": false}`` turns drafting off for this request;
@@ -37,11 +43,13 @@ verispec extras:
 
 from __future__ import annotations
 
+import itertools
 from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema, model_validator
 
 from verispec.config import SEED_MAX, SEED_MIN, TOP_K_MAX
+from verispec.constraints import Grammar
 from verispec.metrics import SpecMetrics
 
 MAX_STOP_STRINGS = 16
@@ -103,6 +111,46 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: Text
+    description: Text | None = None
+    schema_: dict | None = Field(default=None, alias="schema")  # None: any JSON value
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={  # json_schema exactly with its type
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}},
+        "else": {"properties": {"json_schema": {"type": "null"}}}})
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None  # required with type json_schema
+
+
+# the fields that ask for a grammar, in the order they are looked at
+GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+
+
+def _asks(name: str) -> dict:
+    """JSON Schema: the request sets ``name`` (a grammar field: not null, not response_format's
+    "text"; ignore_eos: true)."""
+    if name == "ignore_eos":
+        value: dict = {"const": True}
+    elif name == "response_format":
+        value = {"type": "object", "required": ["type"], "properties": {"type": {"not": {"const": "text"}}}}
+    else:
+        value = {"not": {"type": "null"}}
+    return {"required": [name], "properties": {name: value}}
+
+
+# what `refused` checks across fields: at most one grammar, and none with ignore_eos
+_ONE_GRAMMAR = {"not": {"anyOf": [{"allOf": [_asks(a), _asks(b)]}
+                                  for a, b in itertools.combinations(("ignore_eos", *GRAMMAR_FIELDS), 2)]}}
+
+
 _STREAM_OPTIONS_NEED_STREAM = {
     "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
@@ -114,8 +162,9 @@ _TOP_LOGPROBS_NEED_LOGPROBS = {
 class SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
-    # The schema states what `refused` checks across fields: stream_options needs stream true.
-    model_config = ConfigDict(extra="forbid", json_schema_extra=_STREAM_OPTIONS_NEED_STREAM)
+    # The schema states what `refused` checks across fields: stream_options needs stream true, at
+    # most one grammar, none with ignore_eos.
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_GRAMMAR]})
 
     model: Text | None = None
     max_tokens: PositiveInt | None = None
@@ -131,6 +180,11 @@ class SamplingRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[NonNegativeInt] | None = None  # vLLM's: end like EOS, even with ignore_eos
     speculative: SpeculativeOptions | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict | Text | None = None  # vLLM's: a JSON schema (an object or its JSON text)
+    guided_regex: Text | None = None
+    guided_grammar: Text | None = None  # a Lark grammar as llguidance reads it, or GBNF
+    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
     # Accepted only at their neutral value (`refused`); the schema says which.
     n: Int | None = Field(default=1, json_schema_extra={"enum": [1, None]})  # null means 1, as in OpenAI's API
     presence_penalty: float = Field(default=0.0, json_schema_extra={"const": 0})
@@ -147,7 +201,41 @@ class SamplingRequest(_Strict):
                 return Refusal(name, "presence_penalty, frequency_penalty and logit_bias are not supported by verispec")
         if self.stream_options is not None and not self.stream:
             return Refusal("stream_options", "stream_options is only allowed when stream is true")
+        asked = [name for name in GRAMMAR_FIELDS if self._grammar_field(name) is not None]  # at most one
+        if len(asked) > 1:
+            return Refusal(asked[1], f"{' and '.join(asked)} each ask for a grammar; give at most one")
+        fmt = self.response_format
+        if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
+            return Refusal("response_format",
+                           'response_format needs json_schema exactly when its type is "json_schema"')
+        if asked and self.ignore_eos:
+            return Refusal("ignore_eos",
+                           f"ignore_eos cannot be combined with {asked[0]}: a complete grammar ends with EOS")
         return None
+
+    def _grammar_field(self, name: str) -> object:
+        value = getattr(self, name)
+        return None if name == "response_format" and value is not None and value.type == "text" else value
+
+    def grammar_field(self) -> str | None:
+        """The field that asks for a grammar (:attr:`refused` allows at most one), or None."""
+        return next((name for name in GRAMMAR_FIELDS if self._grammar_field(name) is not None), None)
+
+    def grammar(self) -> Grammar | None:
+        """The grammar the request asks for, or None. Raises ``ValueError`` (with llguidance's
+        message) when it does not compile."""
+        name = self.grammar_field()
+        if name is None:
+            return None
+        value = self._grammar_field(name)
+        if name == "response_format":
+            if value.type == "json_object":
+                return Grammar.json_object()
+            schema = value.json_schema.schema_
+            return Grammar.json_schema(schema if schema is not None else {})
+        build = {"guided_json": Grammar.json_schema, "guided_regex": Grammar.regex,
+                 "guided_grammar": Grammar.lark, "guided_choice": Grammar.choice}[name]
+        return build(value)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -290,7 +378,7 @@ _TOOL_CHOICE_NEEDS_TOOLS = {
 
 class ChatCompletionRequest(SamplingRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS,
-                                                           _TOOL_CHOICE_NEEDS_TOOLS]})
+                                                           _TOOL_CHOICE_NEEDS_TOOLS, _ONE_GRAMMAR]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = None
