@@ -58,6 +58,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from verispec.config import MAX_REQUEST_BYTES, SamplingParams
+from verispec.constraints import Grammar
 from verispec.engine.engine import Engine
 from verispec.logprobs import TokenLogprob
 from verispec.models.tokenizer import Tokenizer
@@ -439,9 +440,6 @@ class _Service:
         model's template does not render tools, or writes calls in a format not known here)."""
         if not body.uses_tools():
             return None
-        if body.tool_choice not in (None, "auto"):
-            raise APIError(400, "tool_choice 'required' or a named function is not supported yet: verispec "
-                           "serves tool_choice 'auto' and 'none'", param="tool_choice")
         template = self.engine.target.tokenizer.chat_template or ""
         parser = parser_for(template)
         if parser is None:
@@ -509,8 +507,10 @@ class _Service:
                            f"{max_tokens} for the completion)", code="context_length_exceeded", param=param)
         try:
             grammar = body.grammar()  # compiled here: a bad one is a 400 before anything runs
+            if chat and body.forces_calls():
+                grammar = self._calls_grammar(body)
         except ValueError as e:
-            raise APIError(400, str(e), param=body.grammar_field()) from None
+            raise APIError(400, str(e), param="tools" if chat and body.forces_calls() else body.grammar_field()) from None
         try:
             return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                   min_p=body.min_p, max_tokens=max_tokens, stop=body.stop_strings(),
@@ -519,6 +519,14 @@ class _Service:
                                   grammar=grammar)
         except ValueError as e:
             raise APIError(400, str(e)) from None
+
+    def _calls_grammar(self, body: ChatCompletionRequest) -> Grammar:
+        """The grammar of an answer that is only calls, in the template's format: to any of the
+        tools (``required``) or to the named one."""
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        if isinstance(body.tool_choice, protocol.NamedToolChoice):
+            tools = [t for t in tools if t["function"]["name"] == body.tool_choice.function.name]
+        return Grammar.lark(self.tool_parser(body).grammar(tools, parallel=body.parallel_tool_calls is not False))
 
     def _request_k(self, body: protocol.SamplingRequest) -> int | None:
         opts = body.speculative

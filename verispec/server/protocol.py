@@ -397,11 +397,19 @@ class ChatCompletionRequest(SamplingRequest):
                 self.tool_choice.function.name not in {t.function.name for t in self.tools}:
             return Refusal("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, "
                                           "which is not one of the tools")
+        if self.forces_calls() and self.grammar_field() is not None:
+            return Refusal("tool_choice", f"a tool_choice that forces calls cannot be combined with "
+                                          f"{self.grammar_field()}: the answer is calls")
         return super().refused()
 
     def uses_tools(self) -> bool:
         """Whether the tools go to the template and the answer is read for calls."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    def forces_calls(self) -> bool:
+        """Whether the answer must be calls (``required``, or a named function): decoded under
+        the grammar of the template's call format."""
+        return self.uses_tools() and self.tool_choice not in (None, "auto")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
