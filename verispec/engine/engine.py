@@ -78,6 +78,7 @@ from verispec.engine.batch_k import StepCosts, choose_k
 from verispec.engine.calibration import calibrate
 from verispec.engine.slots import SlotTable, prefix_caching_for
 from verispec.logprobs import token_logprobs
+from verispec.penalties import penalize
 from verispec.sequence import Sequence
 from verispec.sampling import logits_to_probs, make_generator
 from verispec.speculative.base import EMPTY_PROPOSAL, Drafter, DrafterContext, Outcome, Proposal
@@ -456,6 +457,7 @@ class Engine:
     def _verify_logits(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> VerifyResult:
         p = seq.params
         draft = torch.tensor([proposal.tokens], dtype=torch.long, device=logits.device)  # [1, n]
+        logits = penalize(seq, proposal.tokens, logits)  # [1, n+1, V] (see verispec.penalties)
         if p.greedy:
             return verify_greedy(draft, logits)
         target_probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [1, n+1, V]
@@ -473,10 +475,11 @@ class Engine:
         logits = logits[0]  # [N, V]
         seq.metrics.record_target(len(tree), time.perf_counter() - t0)
         p = seq.params
+        scores = penalize(seq, proposal.tokens, logits, proposal.parents)  # [N, V]; logprobs read the raw logits
         if p.greedy:
-            result = verify_tree_greedy(tree, proposal.tokens, logits)
+            result = verify_tree_greedy(tree, proposal.tokens, scores)
         else:
-            target_probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [N, V]
+            target_probs = logits_to_probs(scores, p.temperature, p.top_k, p.top_p, p.min_p)  # [N, V]
             result = verify_tree_stochastic(tree, proposal.tokens, proposal.probs, target_probs,
                                             proposal.children, seq.generator)
         seq.metrics.record_tree(len(proposal), result.num_accepted)
