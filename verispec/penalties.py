@@ -23,9 +23,14 @@ occurs in the output counted for the row; ``seen[v]``: v occurs in the prompt or
 
 Presence and frequency count output tokens only (OpenAI's and vLLM's definition); repetition
 counts the prompt too. The result goes to :func:`verispec.sampling.logits_to_probs` (or to the
-greedy argmax) in place of the raw logits. Logprobs stay the raw logits' (vLLM's default), and a
-draft model's q stays as drafted: rejection sampling is exact for any q, and a q that ignores the
-penalties only lowers acceptance where they bite.
+greedy argmax) in place of the raw logits. Logprobs stay the raw logits' (vLLM's default).
+
+The drafter's q is used as drafted: rejection sampling is exact for any q. The draft model
+(:mod:`verispec.speculative.draft_model`) applies the same transforms to its own logits with
+:func:`penalize_next`, counting the output and its drafts so far, so that its drafts follow the
+penalised target (without them a greedy draft repeats what the target now avoids, and is never
+accepted); the other drafters (n-grams, suffix trees, the tree draft model, learned heads)
+propose as they would without them, which changes their acceptance only.
 
 Everything is vectorised over the pass's rows: one ``bincount`` of the output, the drafts as
 one-hot rows summed along each row's path with one matrix product, no loop over the vocabulary.
@@ -38,7 +43,7 @@ from torch import Tensor
 
 from verispec.sequence import Sequence
 
-__all__ = ["penalize", "preceding_counts"]
+__all__ = ["penalize", "penalize_next", "preceding_counts"]
 
 
 def penalize(seq: Sequence, drafts: list[int], logits: Tensor, parents: tuple[int, ...] | None = None) -> Tensor:
@@ -54,13 +59,31 @@ def penalize(seq: Sequence, drafts: list[int], logits: Tensor, parents: tuple[in
     Returns ``logits`` itself when the request changes nothing, else a new float32 tensor of the
     same shape.
     """
-    p = seq.params
-    if not p.changes_logits:
+    if not seq.params.changes_logits:
         return logits
-    shape, vocab = logits.shape, logits.shape[-1]
+    vocab = logits.shape[-1]
     x = logits.reshape(-1, vocab).to(torch.float32, copy=True)  # [R, V], R = n+1
-    device = x.device
-    counts, depth = preceding_counts(seq.output_ids, drafts, parents, vocab, device)  # [R, V], [R]
+    counts, depth = preceding_counts(seq.output_ids, drafts, parents, vocab, x.device)  # [R, V], [R]
+    return _transform(seq, x, counts, len(seq.output_ids) + depth).view(logits.shape)
+
+
+def penalize_next(seq: Sequence, drafts: list[int], logits: Tensor) -> Tensor:
+    """A draft model's ``[V]`` logits for the token after ``drafts`` (this round's drafts so
+    far), with ``seq``'s penalties applied as the target's row there gets them."""
+    if not seq.params.changes_logits:
+        return logits
+    vocab = logits.shape[-1]
+    x = logits.reshape(1, vocab).to(torch.float32, copy=True)  # [1, V]
+    counts, _ = preceding_counts(seq.output_ids + drafts, [], None, vocab, x.device)  # [1, V]
+    return _transform(seq, x, counts, torch.tensor([len(seq.output_ids) + len(drafts)])).view(logits.shape)
+
+
+def _transform(seq: Sequence, x: Tensor, counts: Tensor, generated: Tensor) -> Tensor:
+    """The transforms of the module doc on ``x`` ``[R, V]`` float32 (changed in place or
+    replaced), given each row's output ``counts`` ``[R, V]`` and how many tokens precede it in the
+    output, ``generated`` ``[R]``."""
+    p = seq.params
+    device, vocab = x.device, x.shape[-1]
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
         bias = torch.tensor([b for _, b in p.logit_bias], device=device)
@@ -68,7 +91,7 @@ def penalize(seq: Sequence, drafts: list[int], logits: Tensor, parents: tuple[in
     if p.min_tokens:
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(seq.eos_token_ids))
         stops = sorted(t for t in stops if t < vocab)
-        early = (len(seq.output_ids) + depth < p.min_tokens).nonzero().flatten()  # rows before min_tokens
+        early = (generated < p.min_tokens).nonzero().flatten()  # rows before min_tokens
         if stops and early.numel():
             x[early[:, None], torch.tensor(stops, device=device)] = float("-inf")
     if p.repetition_penalty != 1.0:
@@ -80,7 +103,7 @@ def penalize(seq: Sequence, drafts: list[int], logits: Tensor, parents: tuple[in
         x -= p.frequency_penalty * counts
     if p.presence_penalty:
         x -= p.presence_penalty * (counts > 0).to(torch.float32)
-    return x.view(shape)
+    return x
 
 
 def preceding_counts(output_ids: list[int], drafts: list[int], parents: tuple[int, ...] | None, vocab: int,
