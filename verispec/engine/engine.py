@@ -223,8 +223,8 @@ class Engine:
             raise ValueError(f"n={len(params)} samples need as many sequence slots; the engine has "
                              f"{self.cache.num_slots} (max_num_seqs)")
         if len(self.free_slots) < len(params):
-            raise RuntimeError(f"{len(params)} samples need as many sequence slots; "
-                               f"{len(self.free_slots)} of {self.cache.num_slots} are free")
+            raise RuntimeError(f"{len(params)} free sequence slots are needed, but "
+                               f"{self.cache.num_slots - len(self.free_slots)} of {self.cache.num_slots} slots are in use")
         slot = self.slots.choose(prompt_ids)
         forks = [s for s in reversed(self.free_slots) if s != slot][: len(params) - 1]
         seqs = self._prefill(prompt_ids, params, [slot, *forks], num_speculative_tokens)

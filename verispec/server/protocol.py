@@ -146,7 +146,8 @@ class SamplingRequest(_Strict):
     n: Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_integral)] | None = 1  # null means 1, as in OpenAI's API
     presence_penalty: Penalty | None = 0.0  # null means 0
     frequency_penalty: Penalty | None = 0.0
-    logit_bias: Annotated[dict[TokenIdText, Bias], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    logit_bias: Annotated[dict[TokenIdText, Bias], Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={
+        "additionalProperties": False})] | None = None  # keys: token ids, as strings
     repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0  # vLLM's; 1 disables
     min_tokens: NonNegativeInt = 0  # vLLM's
 
