@@ -4,10 +4,13 @@ a 400 that names the field."""
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import openai
 import pytest
 
-from liveserver import API_KEY, CHARS, K, SPECIALS
+from liveserver import API_KEY, CHARS, K, SPECIALS, wait_idle
 
 GREEDY = {"temperature": 0.0}
 SPECULATIVE = {"speculative": {"num_speculative_tokens": K}}
@@ -23,8 +26,8 @@ def client(server):
 
 
 def complete(client, extra_body=None, **kwargs):
-    return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, extra_body=extra_body,
-                                     **{**GREEDY, **kwargs})
+    return client.completions.create(model="tiny", prompt=PROMPT, extra_body=extra_body,
+                                     **{"max_tokens": MAX_TOKENS, **GREEDY, **kwargs})
 
 
 def chat(client, extra_body=None, **kwargs):
@@ -129,3 +132,29 @@ def test_bad_values_are_a_400_naming_the_field(client, kwargs, message, param):
     err = info.value.body
     assert info.value.status_code == 400 and message in err["message"], err
     assert err["param"] == param, err
+
+
+def test_n_samples_that_end_at_their_first_token_free_their_slots(client, server):
+    r = complete(client, n=3, max_tokens=1, temperature=1.0, seed=1)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 3
+    wait_idle(server)
+
+
+def test_n_samples_wait_for_free_slots_behind_a_running_request(client, server):
+    """A request for as many samples as the server has slots, sent while another one runs (it
+    is admitted once all slots are free), completes, and so does the other."""
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(complete, client, max_tokens=40)
+        time.sleep(0.05)
+        many = pool.submit(complete, client, n=4, temperature=1.0, seed=2)
+        assert len(first.result().choices) == 1
+        assert [c.index for c in many.result().choices] == [0, 1, 2, 3]
+    wait_idle(server)
+
+
+def test_a_client_leaving_an_n_stream_frees_every_slot(client, server):
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, stream=True, n=3,
+                                       temperature=1.0)
+    next(iter(stream))
+    stream.close()
+    wait_idle(server)
