@@ -91,6 +91,11 @@ def test_min_tokens_masks_eos_and_stop_ids_until_enough_tokens_precede_the_row()
     assert (got[:, EOS] == 0).all() and torch.isinf(got[:2, 3]).all()
 
 
+def test_a_bias_outside_the_vocabulary_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"logit_bias token id 12 is outside the vocabulary \[0, 12\)"):
+        penalize(sequence(SamplingParams(logit_bias={12: 1.0}), [1], []), [], torch.zeros(1, VOCAB))
+
+
 def test_a_request_without_penalties_gets_its_logits_untouched():
     logits = torch.randn(1, 3, VOCAB).to(torch.bfloat16)
     assert penalize(sequence(SamplingParams(), [1], [2]), [3, 4], logits) is logits

@@ -85,6 +85,8 @@ def _transform(seq: Sequence, x: Tensor, counts: Tensor, generated: Tensor) -> T
     p = seq.params
     device, vocab = x.device, x.shape[-1]
     if p.logit_bias:
+        if p.logit_bias[-1][0] >= vocab:  # (sorted by id)
+            raise ValueError(f"logit_bias token id {p.logit_bias[-1][0]} is outside the vocabulary [0, {vocab})")
         ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
         bias = torch.tensor([b for _, b in p.logit_bias], device=device)
         x[:, ids] += bias
