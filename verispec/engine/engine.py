@@ -58,6 +58,10 @@ last row, a plain step's row, or the verify pass's row of an accepted draft, the
 the bonus token (a tree's: its root and accepted path, :meth:`Verified.rows`). They are computed
 after the stop check, for the committed tokens only, and for no other request.
 
+Penalties, ``logit_bias`` and ``min_tokens`` change the target's logits of every verified row
+before it is verified or sampled, each row counting the tokens before it, the round's earlier
+drafts included (:func:`verispec.penalties.penalize`); logprobs read the raw rows.
+
 Slots and prefix caching are in :mod:`verispec.engine.slots`, the cost calibration of an
 adaptive engine in :mod:`verispec.engine.calibration`, and what happens when something fails (one
 sequence fails, never the batch) in :mod:`verispec.engine.faults`.
