@@ -53,6 +53,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--top-k", type=int, default=0, help="0 disables")
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI's)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2] (OpenAI's)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0, 1 disables (vLLM's)")
+    g.add_argument("--min-tokens", type=int, default=0, help="hold EOS back until this many tokens (vLLM's)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -137,6 +141,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos, seed=args.seed,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
     )
     spec = speculative_config_from_args(args)
     if spec is not None:

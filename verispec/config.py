@@ -8,9 +8,11 @@ a message that names the bad field and the accepted range.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
+import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,6 +22,8 @@ TREE_CHILD_MODES = ("topk", "iid", "without_replacement")
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64 (torch.Generator.manual_seed takes [-2**63, 2**64))
 TOP_K_MAX = 2**31 - 1  # any top_k >= the vocabulary keeps every token
 MAX_REQUEST_BYTES = 4 * 2**20  # the server's default limit on a request body
+PENALTY_MAX = 2.0  # presence and frequency penalties lie in [-PENALTY_MAX, PENALTY_MAX], as OpenAI's
+LOGIT_BIAS_MAX = 100.0  # a logit bias lies in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX], as OpenAI's
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,8 @@ class SamplingParams:
     ``temperature == 0`` means greedy decoding. The transforms (temperature, top-k, top-p,
     min-p) are applied by :func:`verispec.sampling.logits_to_probs`, the single function that
     both plain decoding and speculative verification use for the target *and* the draft.
+    Penalties, ``logit_bias`` and ``min_tokens`` change the target's logits before that, at
+    every verified position (:mod:`verispec.penalties` defines them and which tokens count).
     """
 
     temperature: float = 1.0
@@ -43,6 +49,12 @@ class SamplingParams:
     # Return each emitted token's logprob and this many most likely tokens at its position
     # (0: the emitted token's only); None computes none. See :mod:`verispec.logprobs`.
     logprobs: int | None = None
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: subtracted once from each token in the output
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # vLLM's, > 0: scales the logits of tokens in the prompt or output
+    # OpenAI's: (token id, bias in [-100, 100]) pairs added to the logits; a mapping is accepted
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # vLLM's: EOS and stop token ids are masked until this many tokens are out
     # What the output must match (structured outputs), applied to every verified position's
     # logits; see :mod:`verispec.constraints`.
     grammar: Grammar | None = None
@@ -72,10 +84,41 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
         if self.grammar is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a grammar: a complete grammar ends with EOS")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_MAX <= getattr(self, name) <= PENALTY_MAX:
+                raise ValueError(f"{name} must be in [-{PENALTY_MAX}, {PENALTY_MAX}], got {getattr(self, name)}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        bias = dict(self.logit_bias)  # a mapping or pairs; a repeated id keeps its last bias
+        if any(int(t) != t or t < 0 for t in bias):
+            raise ValueError(f"logit_bias keys must be token ids (>= 0), got {sorted(bias)[:5]}")
+        if any(not -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX for b in bias.values()):
+            raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_MAX}, {LOGIT_BIAS_MAX}], "
+                             f"got {sorted(bias.values())[:5]}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias.items())))
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether penalties, ``logit_bias`` or ``min_tokens`` change the target's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of sample ``index`` of ``n`` samples of one prompt. Sample 0 is this
+        request as it stands (``n = 1`` is unchanged); sample i > 0 gets the seed derived from
+        (seed, i) by SHA-256, so seeded samples are reproducible and differ from each other. An
+        unseeded sample draws its own fresh seed anyway (:func:`verispec.sampling.make_generator`)."""
+        if index == 0 or self.seed is None:
+            return self
+        digest = hashlib.sha256(f"{self.seed}:{index}".encode()).digest()
+        seed = int.from_bytes(digest[:8], "little", signed=True)  # int64, SEED_MIN..SEED_MAX
+        return replace(self, seed=seed)
 
 
 DRAFT_HEAD_QUANTIZATIONS = ("none", "int4")  # see SpeculativeConfig.draft_head_quantization

@@ -107,7 +107,7 @@ def test_per_request_speculative_extra(client):
 @pytest.mark.parametrize(
     ("kwargs", "message", "param"),
     [
-        ({"n": 2}, "n=2 is not supported", "n"),
+        ({"n": 200}, "n: Input should be less than or equal to 128", "n"),
         ({"logprobs": 21}, "logprobs: Input should be less than or equal to 20", "logprobs"),
         ({"max_tokens": MAX_MODEL_LEN}, "maximum context length", "max_tokens"),
         ({"prompt": "x" * MAX_MODEL_LEN}, "maximum context length", "prompt"),
@@ -248,7 +248,7 @@ def test_openapi_document_matches_the_server(server):
     assert request["top_k"]["maximum"] == 2**31 - 1
     stop_string = {"type": "string", "minLength": 1, "maxLength": 1000}
     assert request["stop"]["anyOf"][:2] == [stop_string, {"type": "array", "items": stop_string, "maxItems": 16}]
-    assert request["n"]["enum"] == [1, None]
+    assert request["n"]["anyOf"] == [{"type": "integer", "minimum": 1, "maximum": 128}, {"type": "null"}]
     assert request["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1}
 
     def keys(node):  # every key of every object in the document

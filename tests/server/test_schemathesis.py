@@ -3,9 +3,10 @@ is accepted with a response the document describes, every request it forbids is 
 401, 404, ...), and nothing is ever a 500.
 
 The document cannot state the limits of the server's model: its context (96 tokens), its
-vocabulary, its k, whether its chat template renders tools, nor whether a grammar compiles. A hook
-fits positive cases into them (and keeps generation to a few tokens); negative cases go out as
-generated. Schemathesis needs the document when the tests are
+vocabulary, its k, its max_num_seqs (n), whether its chat template renders tools, nor whether a
+grammar compiles or min_tokens is at most the max tokens. A hook fits positive cases into them (and
+keeps generation to a few tokens); negative cases go out as generated. Schemathesis needs the
+document when the tests are
 collected, so it comes from an app built like the live server's, and the test checks that the
 live server serves the same one.
 """
@@ -25,6 +26,7 @@ from verispec.server.protocol import GRAMMAR_FIELDS
 SEED = 0
 MAX_EXAMPLES = 1000  # fuzzed cases per operation; the coverage and examples phases add their own
 MAX_TOKENS = 4
+MAX_NUM_SEQS = 4  # make_app's
 VOCAB = len(SPECIALS) + len(CHARS)  # the tiny server's char tokenizer
 
 DOCUMENT = make_app().openapi()
@@ -74,6 +76,13 @@ def map_case(_context, case):
     speculative = body.get("speculative")
     if isinstance(speculative, dict) and speculative.get("num_speculative_tokens") is not None:
         speculative["num_speculative_tokens"] = min(speculative["num_speculative_tokens"], K)
+    if isinstance(body.get("n"), (int, float)):  # (3.0 is an integer in JSON Schema)
+        body["n"] = min(body["n"], MAX_NUM_SEQS)
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    if isinstance(body.get("min_tokens"), (int, float)) and limit:
+        body["min_tokens"] = min(body["min_tokens"], limit)
+    if isinstance(body.get("logit_bias"), dict):
+        body["logit_bias"] = {str(int(t) % VOCAB): bias for t, bias in body["logit_bias"].items()}
     return case
 
 

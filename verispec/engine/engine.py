@@ -2,9 +2,10 @@
 
 The engine runs a batch of sequences, each in its own slot of one preallocated KV cache
 (``max_num_seqs`` slots, never reallocated). A request joins with :meth:`Engine.add_request`
-(which prefills it), every :meth:`Engine.step` advances all running sequences by one round, and a
-finished (or aborted) sequence frees its slot for the next request. :meth:`Engine.generate` is
-the batch-of-one case.
+(which prefills it; :meth:`Engine.add_requests` prefills n samples of one prompt once and copies
+the K/V), every :meth:`Engine.step` advances all running sequences by one round, and a finished
+(or aborted) sequence frees its slot for the next request. :meth:`Engine.generate` is the
+batch-of-one case.
 
 The engine works on token ids; text appears only where stop strings need it (through the
 sequence's detokenizer). Plain decoding is the same loop with no drafter: every round proposes
@@ -62,6 +63,10 @@ prefill; :mod:`verispec.constraints` cuts its drafts at the first one the gramma
 the target's logits of every verified position with the grammar's state after the drafts before
 it, and advances by the committed tokens only. Logprobs are taken from the unmasked logits.
 
+Penalties, ``logit_bias`` and ``min_tokens`` change the target's logits of every verified row
+before it is verified or sampled, each row counting the tokens before it, the round's earlier
+drafts included (:func:`verispec.penalties.penalize`); logprobs read the raw rows.
+
 Slots and prefix caching are in :mod:`verispec.engine.slots`, the cost calibration of an
 adaptive engine in :mod:`verispec.engine.calibration`, and what happens when something fails (one
 sequence fails, never the batch) in :mod:`verispec.engine.faults`.
@@ -84,6 +89,7 @@ from verispec.engine.batch_k import StepCosts, choose_k
 from verispec.engine.calibration import calibrate
 from verispec.engine.slots import SlotTable, prefix_caching_for
 from verispec.logprobs import token_logprobs
+from verispec.penalties import penalize
 from verispec.sequence import Sequence
 from verispec.sampling import logits_to_probs, make_generator
 from verispec.speculative.base import EMPTY_PROPOSAL, Drafter, DrafterContext, Outcome, Proposal
@@ -213,15 +219,31 @@ class Engine:
         0 disables speculation for it); ``None`` lets the engine choose (batch-aware k). Raises
         ``RuntimeError`` when every slot is taken.
         """
-        if not self.free_slots:
-            raise RuntimeError(f"all {self.cache.num_slots} sequence slots are in use")
+        return self.add_requests(prompt_ids, [params], num_speculative_tokens)[0]
+
+    def add_requests(
+        self, prompt_ids: list[int], params: list[SamplingParams], num_speculative_tokens: int | None = None
+    ) -> list[Sequence]:
+        """``len(params)`` samples of one prompt (a request's ``n``), one sequence each, sharing
+        one prefill: the prompt's K/V is copied into the other samples' slots, and every sample
+        draws its first token from the prefill's last row with its own generator (so each is the
+        sequence :meth:`add_request` would give with its params). Raises ``RuntimeError`` when
+        fewer slots are free, ``ValueError`` when the engine has fewer."""
+        if len(params) > self.cache.num_slots:
+            raise ValueError(f"n={len(params)} samples need as many sequence slots; the engine has "
+                             f"{self.cache.num_slots} (max_num_seqs)")
+        if len(self.free_slots) < len(params):
+            raise RuntimeError(f"{len(params)} free sequence slots are needed, but "
+                               f"{self.cache.num_slots - len(self.free_slots)} of {self.cache.num_slots} slots are in use")
         slot = self.slots.choose(prompt_ids)
-        seq = self._prefill(prompt_ids, params, slot, num_speculative_tokens)
-        self.slots.take(slot)  # the slot is taken only once the prefill has succeeded
-        self.running.append(seq)
-        if seq.finished:
-            self._release(seq)
-        return seq
+        forks = [s for s in reversed(self.free_slots) if s != slot][: len(params) - 1]
+        seqs = self._prefill(prompt_ids, params, [slot, *forks], num_speculative_tokens)
+        for seq in seqs:
+            self.slots.take(seq.slot)  # the slots are taken only once the prefill has succeeded
+            self.running.append(seq)
+            if seq.finished:
+                self._release(seq)
+        return seqs
 
     def abort(self, seq: Sequence) -> None:
         """Stop a running sequence now and free its slot (a client went away)."""
@@ -280,8 +302,11 @@ class Engine:
     # ---- phases ------------------------------------------------------------------------------
 
     def _prefill(
-        self, prompt_ids: list[int], params: SamplingParams, slot: int, num_speculative_tokens: int | None
-    ) -> Sequence:
+        self, prompt_ids: list[int], params: list[SamplingParams], slots: list[int],
+        num_speculative_tokens: int | None
+    ) -> list[Sequence]:
+        """Prefill ``prompt_ids`` into ``slots[0]`` and copy its K/V into the other slots; one
+        sequence per params, each with its first token."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         if len(prompt_ids) >= self.max_model_len:
@@ -289,19 +314,20 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens but max_model_len is {self.max_model_len}"
             )
         tok = self.target.tokenizer
-        seq = Sequence(
+        seqs = [Sequence(
             prompt_ids=list(prompt_ids),
-            params=params,
-            generator=make_generator(params.seed, self.model.device),
+            params=p,
+            generator=make_generator(p.seed, self.model.device),
             eos_token_ids=tok.eos_token_ids,
             detokenizer=IncrementalDetokenizer(tok, prompt_ids),
             slot=slot,
             num_speculative_tokens=num_speculative_tokens,
-            constraint=constraints.start(params.grammar, tok, self.model.config.vocab_size),
-        )
+            constraint=constraints.start(p.grammar, tok, self.model.config.vocab_size),
+        ) for p, slot in zip(params, slots)]
+        seq = seqs[0]
         t0 = time.perf_counter()
         # positions kept from an earlier request; the prompt's last token is always run, for its logits
-        kept = self.slots.reuse(slot, prompt_ids)
+        kept = self.slots.reuse(seq.slot, prompt_ids)
         seq.metrics.cached_prompt_tokens = kept
         device = self.model.device
         ids = torch.tensor([prompt_ids[kept:]], device=device)  # [1, P - kept]
@@ -309,16 +335,20 @@ class Engine:
         # with prefix caching, the decode path: its entries are the ones a later request reuses
         logits, features = self._run(ids, positions, [seq.slot], num_logits=1,
                                      prefill=not self.prefix_caching)  # [1, 1, V]
-        if features is not None:
-            seq.target_hidden = features[0]  # [P, F]
-        result = self._verify_logits(seq, EMPTY_PROPOSAL, logits)
-        committed, _ = seq.append(result.committed(0))
-        constraints.commit(seq, committed)
-        _record_logprobs(seq, logits[0], [0], committed)
-        if self.drafter is not None and not seq.finished:
-            self.drafter.start(seq)  # per-request set-up (a draft model defers reading the prompt)
-        seq.metrics.prefill_time_s += time.perf_counter() - t0
-        return seq
+        for fork in seqs[1:]:
+            self.slots.copy(seq.slot, fork.slot)
+        for seq in seqs:
+            if features is not None:
+                seq.target_hidden = features[0]  # [P, F]
+            result = self._verify_logits(seq, EMPTY_PROPOSAL, logits)
+            committed, _ = seq.append(result.committed(0))
+            constraints.commit(seq, committed)
+            _record_logprobs(seq, logits[0], [0], committed)
+            if self.drafter is not None and not seq.finished:
+                self.drafter.start(seq)  # per-request set-up (a draft model defers reading the prompt)
+            seq.metrics.prefill_time_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+        return seqs
 
     def _propose(self, seq: Sequence, k_max: int) -> Proposal:
         # Never draft past max_tokens or past the cache: the verify pass writes n + 1 positions.
@@ -463,9 +493,10 @@ class Engine:
                         features=None if features is None else features[0, :n1], logits=logits[0, :n1])
 
     def _verify_logits(self, seq: Sequence, proposal: Proposal, logits: torch.Tensor) -> VerifyResult:
-        logits = constraints.mask_chain(seq, proposal.tokens, logits)  # [1, n+1, V]
         p = seq.params
         draft = torch.tensor([proposal.tokens], dtype=torch.long, device=logits.device)  # [1, n]
+        logits = penalize(seq, proposal.tokens, logits)  # [1, n+1, V] (see verispec.penalties)
+        logits = constraints.mask_chain(seq, proposal.tokens, logits)  # [1, n+1, V]
         if p.greedy:
             return verify_greedy(draft, logits)
         target_probs = logits_to_probs(logits, p.temperature, p.top_k, p.top_p, p.min_p)  # [1, n+1, V]
@@ -483,7 +514,8 @@ class Engine:
         logits = logits[0]  # [N, V]
         seq.metrics.record_target(len(tree), time.perf_counter() - t0)
         p = seq.params
-        masked = constraints.mask_tree(seq, proposal.parents, proposal.tokens, logits)  # [N, V]
+        scores = penalize(seq, proposal.tokens, logits, proposal.parents)  # [N, V]; logprobs read the raw logits
+        masked = constraints.mask_tree(seq, proposal.parents, proposal.tokens, scores)  # [N, V]
         if p.greedy:
             result = verify_tree_greedy(tree, proposal.tokens, masked)
         else:

@@ -90,6 +90,12 @@ class SlotTable:
             self.cache.reset(slot)
         return kept
 
+    def copy(self, src: int, dst: int) -> None:
+        """Free slot ``dst`` takes a copy of the K/V ``src`` holds (n samples of one prompt share
+        its prefill); what ``dst`` kept before is dropped."""
+        self.kept_tokens[dst] = []  # what stays valid if this prefill fails
+        self.cache.copy(src, dst)
+
     def take(self, slot: int) -> None:
         """``slot`` holds a running sequence (taken only once its prefill has succeeded)."""
         self.free.remove(slot)

@@ -123,6 +123,14 @@ class KVCache:
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
 
+    def copy(self, src: int, dst: int) -> None:
+        """Slot ``dst`` holds a copy of slot ``src``'s committed entries (one copy per layer)."""
+        n = self.lengths[src]
+        for layer in range(len(self.k)):
+            self.k[layer][dst, :, :n] = self.k[layer][src, :, :n]
+            self.v[layer][dst, :, :n] = self.v[layer][src, :, :n]
+        self.lengths[dst] = n
+
     def keep(self, slot: int, start: int, keep_indices: Tensor | list[int]) -> None:
         """Tree-path compaction: of the entries written at ``start..``, keep only ``keep_indices``.
 

@@ -38,6 +38,7 @@ aborts the sequence and its slot is free for the next request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import hmac
 import json
@@ -61,6 +62,7 @@ from verispec.config import MAX_REQUEST_BYTES, SamplingParams
 from verispec.constraints import Grammar
 from verispec.engine.engine import Engine
 from verispec.logprobs import TokenLogprob
+from verispec.metrics import SpecMetrics
 from verispec.models.tokenizer import Tokenizer
 from verispec.sequence import Sequence
 from verispec.server import protocol
@@ -467,7 +469,8 @@ class _Service:
             except RuntimeError:
                 pass  # the event loop is gone (server shut down); nobody is listening
 
-        request = EngineRequest(prompt_ids, params, self._request_k(body), deliver, timeout_s=self.request_timeout_s)
+        request = EngineRequest(prompt_ids, params, self._request_k(body), deliver, n=body.choices(),
+                                timeout_s=self.request_timeout_s)
         try:
             self.runner.submit(request)
         except QueueFull as e:
@@ -480,9 +483,10 @@ class _Service:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         tools = None
         if isinstance(body, ChatCompletionRequest) and body.uses_tools():
-            tools = self.tool_parser(body).stream(parallel=body.parallel_tool_calls is not False)
+            parser, parallel = self.tool_parser(body), body.parallel_tool_calls is not False
+            tools = functools.partial(parser.stream, parallel)  # a reader per choice
         reply = _Reply(self.model_name, chat, len(prompt_ids), self.engine.target.tokenizer, params.logprobs,
-                       include_usage, tools)
+                       include_usage, body.choices(), tools)
         if body.stream:
             return StreamingResponse(self._stream(request, queue, reply), media_type="text/event-stream")
         return await self._collect(request, queue, reply, http)
@@ -505,6 +509,17 @@ class _Service:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
                            f"{prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "
                            f"{max_tokens} for the completion)", code="context_length_exceeded", param=param)
+        vocab = self.engine.model.config.vocab_size
+        bias = body.token_biases()
+        outside = sorted(t for t in bias if t >= vocab)
+        if outside:
+            raise APIError(400, f"logit_bias token ids must be in [0, {vocab}); got {outside[:5]}", param="logit_bias")
+        if body.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens={body.min_tokens} is more than the {max_tokens} tokens the completion "
+                           "may have", param="min_tokens")
+        if body.choices() > self.engine.cache.num_slots:
+            raise APIError(400, f"n={body.choices()} is more than this server's max_num_seqs "
+                           f"({self.engine.cache.num_slots}): the n samples run together", param="n")
         try:
             grammar = body.grammar()  # compiled here: a bad one is a 400 before anything runs
             if chat and body.forces_calls():
@@ -516,7 +531,10 @@ class _Service:
                                   min_p=body.min_p, max_tokens=max_tokens, stop=body.stop_strings(),
                                   ignore_eos=body.ignore_eos, stop_token_ids=frozenset(body.stop_token_ids or ()),
                                   seed=body.seed, logprobs=body.requested_logprobs(),
-                                  grammar=grammar)
+                                  presence_penalty=body.presence_penalty or 0.0,
+                                  frequency_penalty=body.frequency_penalty or 0.0,
+                                  repetition_penalty=body.repetition_penalty, logit_bias=bias,
+                                  min_tokens=body.min_tokens, grammar=grammar)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -546,8 +564,8 @@ class _Service:
                        http: Request) -> Response:
         """Wait for the whole completion, or for the client to disconnect (noticed at once: a
         task waits for the connection's disconnect message, whatever the tokens do)."""
-        pieces: list[str] = []
-        logprobs: list[TokenLogprob] = []
+        pieces: list[list[str]] = [[] for _ in range(reply.n)]  # per choice
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(reply.n)]
         event = Event()
         gone = asyncio.ensure_future(_disconnected(http))
         try:
@@ -561,8 +579,8 @@ class _Service:
                     event = _timed_out(self.runner, request)  # answered now, whatever the engine does
                     break
                 event = get.result()
-                pieces.append(event.text)
-                logprobs.extend(event.logprobs)
+                pieces[event.index].append(event.text)
+                logprobs[event.index].extend(event.logprobs)
         finally:
             gone.cancel()
             if not event.done:
@@ -571,14 +589,15 @@ class _Service:
             headers = {"Retry-After": str(RETRY_AFTER_S)} if event.status == 503 else None
             raise APIError(event.status, f"request not completed: {event.error}",
                            _ERROR_TYPES.get(event.status, "server_error"), headers=headers)
-        return JSONResponse(reply.full("".join(pieces), logprobs, event.final))
+        return JSONResponse(reply.full(["".join(p) for p in pieces], logprobs, event.final))
 
     async def _stream(self, request: EngineRequest, queue: asyncio.Queue[Event],
                       reply: _Reply) -> AsyncIterator[str]:
         done = False
         try:
             if reply.chat:
-                yield _sse(reply.chunk({"role": "assistant", "content": ""}))
+                for index in range(reply.n):
+                    yield _sse(reply.chunk({"role": "assistant", "content": ""}, index))
             while not done:
                 try:
                     event = await asyncio.wait_for(queue.get(), _time_left(request))
@@ -587,11 +606,12 @@ class _Service:
                 done = event.done
                 if event.error is not None:
                     if event.text:
-                        yield _sse(reply.chunk(event.text))
+                        yield _sse(reply.chunk(event.text, event.index))
                     yield _sse(error_body(f"request not completed: {event.error}",
                                           _ERROR_TYPES.get(event.status, "server_error")))
-                elif event.text or event.logprobs or event.final is not None:
-                    for chunk in reply.chunks(event.text, event.final, event.logprobs):
+                elif event.text or event.logprobs or event.choice is not None:
+                    for chunk in reply.chunks(event.text, event.index, event.choice, event.logprobs,
+                                              event.final):
                         yield _sse(chunk)
                     if event.final is not None and reply.include_usage:
                         yield _sse(reply.usage_chunk(event.final))
@@ -640,96 +660,116 @@ class _Reply:
     ``top_logprobs`` is how many top logprobs each token comes with (None: the request asked for
     no logprobs, and every ``logprobs`` is null). A token's text is its own decoding, special
     tokens included (a piece of a multi-byte character reads U+FFFD; its ``bytes`` are the real
-    ones); ``text_offset`` counts those texts from the start of the completion.
+    ones); ``text_offset`` counts those texts from the start of the choice's completion.
 
-    A stream's last chunk carries ``usage``; with ``include_usage`` (``stream_options``) it goes
-    instead in a chunk of its own after it, with no choices, as OpenAI sends it.
+    ``n`` choices: each chunk carries one choice's delta (``index``), and each choice's last chunk
+    its ``finish_reason``. The stream's last chunk carries ``usage`` (the prompt once, the
+    choices' tokens summed, as OpenAI counts them) and ``speculative_stats`` (summed over the
+    choices); with ``include_usage`` (``stream_options``) usage goes instead in a chunk of its own
+    after it, with no choices, as OpenAI sends it.
 
-    With ``tools`` (a chat request that uses tools) the text is read for calls
-    (:mod:`verispec.tools`): an answer's calls go in ``tool_calls``, and its finish reason is
-    ``tool_calls`` where it stopped after making one; in a stream each call is one delta once its
-    text is complete, and text that may begin a call waits until that is known."""
+    With ``tools`` (a chat request that uses tools: what makes a reader of one answer's calls)
+    each choice's text is read for calls (:mod:`verispec.tools`): an answer's calls go in
+    ``tool_calls``, and its finish reason is ``tool_calls`` where it stopped after making one; in
+    a stream each call is one delta once its text is complete, and text that may begin a call
+    waits until that is known."""
 
     def __init__(self, model: str, chat: bool, prompt_tokens: int, tokenizer: Tokenizer, top_logprobs: int | None,
-                 include_usage: bool = False, tools: ToolCallStream | None = None) -> None:
+                 include_usage: bool = False, n: int = 1,
+                 tools: Callable[[], ToolCallStream] | None = None) -> None:
         self.model, self.chat, self.prompt_tokens = model, chat, prompt_tokens
-        self.tokenizer, self.top_logprobs, self.include_usage = tokenizer, top_logprobs, include_usage
-        self.tools = tools
-        self.calls_sent = 0  # a stream's calls so far: the index of the next
+        self.tokenizer, self.top_logprobs, self.include_usage, self.n = tokenizer, top_logprobs, include_usage, n
+        self.tools = None if tools is None else [tools() for _ in range(n)]  # one reader per choice
+        self.calls_sent = [0] * n  # a stream's calls so far, per choice: the index of the next
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text_offset = 0  # completions: where the next token's text starts
+        self.text_offset = [0] * n  # completions: where each choice's next token's text starts
 
-    def _envelope(self, kind: str, choice: dict | None, seq: Sequence | None, usage: bool = True) -> dict:
-        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [] if choice is None else [choice]}
-        if seq is not None:
+    def _envelope(self, kind: str, choices: list[dict], seqs: tuple[Sequence, ...] | None,
+                  usage: bool = True) -> dict:
+        body = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        if seqs is not None:
             if usage:
-                body["usage"] = protocol.usage(self.prompt_tokens, len(seq.output_ids),
-                                               seq.metrics.cached_prompt_tokens)
-            body["speculative_stats"] = protocol.speculative_stats(seq.metrics)
+                body["usage"] = protocol.usage(self.prompt_tokens, sum(len(s.output_ids) for s in seqs),
+                                               seqs[0].metrics.cached_prompt_tokens)
+            metrics = SpecMetrics()
+            for seq in seqs:
+                metrics.merge(seq.metrics)
+            body["speculative_stats"] = protocol.speculative_stats(metrics)
         return body
 
-    def full(self, text: str, logprobs: list[TokenLogprob], seq: Sequence) -> dict:
+    def full(self, texts: list[str], logprobs: list[list[TokenLogprob]], seqs: tuple[Sequence, ...]) -> dict:
         if self.chat:
-            message: dict = {"role": "assistant", "content": text}
-            finish = seq.finish_reason
-            if self.tools is not None:
-                items = self.tools.feed(text) + self.tools.finish()
-                calls = [i.openai() for i in items if isinstance(i, ToolCall)]
-                content = "".join(i for i in items if isinstance(i, str))
-                message["content"] = None if calls and not content.strip() else content
-                if calls:
-                    message["tool_calls"] = calls
-                    finish = _tools_finish(finish)
-            choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": finish}
-            return self._envelope("chat.completion", choice, seq)
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs), "finish_reason": seq.finish_reason}
-        return self._envelope("text_completion", choice, seq)
+            choices = [self._message(i, text, lp, seq) for i, (text, lp, seq) in enumerate(zip(texts, logprobs, seqs))]
+            return self._envelope("chat.completion", choices, seqs)
+        choices = [{"index": i, "text": text, "logprobs": self._logprobs(lp, i), "finish_reason": seq.finish_reason}
+                   for i, (text, lp, seq) in enumerate(zip(texts, logprobs, seqs))]
+        return self._envelope("text_completion", choices, seqs)
 
-    def chunk(self, delta: str | dict, seq: Sequence | None = None, logprobs: tuple[TokenLogprob, ...] = ()) -> dict:
-        finish = None if seq is None else seq.finish_reason
+    def _message(self, index: int, text: str, logprobs: list[TokenLogprob], seq: Sequence) -> dict:
+        """Chat choice ``index`` of a whole answer."""
+        message: dict = {"role": "assistant", "content": text}
+        finish = seq.finish_reason
+        if self.tools is not None:
+            reader = self.tools[index]
+            items = reader.feed(text) + reader.finish()
+            calls = [i.openai() for i in items if isinstance(i, ToolCall)]
+            content = "".join(i for i in items if isinstance(i, str))
+            message["content"] = None if calls and not content.strip() else content
+            if calls:
+                message["tool_calls"] = calls
+                finish = _tools_finish(finish)
+        return {"index": index, "message": message, "logprobs": self._logprobs(logprobs, index), "finish_reason": finish}
+
+    def chunk(self, delta: str | dict, index: int = 0, choice: Sequence | None = None,
+              logprobs: tuple[TokenLogprob, ...] = (), final: tuple[Sequence, ...] | None = None) -> dict:
+        """Choice ``index``'s delta; ``choice`` (its sequence) once it has ended; ``final`` (every
+        choice's sequence) on the request's last chunk."""
+        finish = None if choice is None else choice.finish_reason
+        lp = self._logprobs(logprobs, index) if logprobs else None
         if self.chat:
             content = delta if isinstance(delta, dict) else {"content": delta}
-            choice = {"index": 0, "delta": content, "logprobs": self._logprobs(logprobs) if logprobs else None,
-                      "finish_reason": finish}
-            return self._envelope("chat.completion.chunk", choice, seq, usage=not self.include_usage)
-        choice = {"index": 0, "text": delta, "logprobs": self._logprobs(logprobs) if logprobs else None,
-                  "finish_reason": finish}
-        return self._envelope("text_completion", choice, seq, usage=not self.include_usage)
+            body = {"index": index, "delta": content, "logprobs": lp, "finish_reason": finish}
+            return self._envelope("chat.completion.chunk", [body], final, usage=not self.include_usage)
+        body = {"index": index, "text": delta, "logprobs": lp, "finish_reason": finish}
+        return self._envelope("text_completion", [body], final, usage=not self.include_usage)
 
-    def chunks(self, text: str, seq: Sequence | None, logprobs: tuple[TokenLogprob, ...]) -> list[dict]:
-        """The chunks for one engine event: one, or with tools, the content and calls the
-        event's text settles (its logprobs ride on the first; the last has the finish)."""
+    def chunks(self, text: str, index: int, choice: Sequence | None, logprobs: tuple[TokenLogprob, ...],
+               final: tuple[Sequence, ...] | None) -> list[dict]:
+        """The chunks of one engine event (:meth:`chunk`'s arguments): one, or with tools, the
+        content and calls the event's text settles (its logprobs ride on the first chunk, the
+        finish and ``final`` on the last)."""
         if self.tools is None:
-            return [self.chunk(text, seq, logprobs)]
-        items = self.tools.feed(text) + (self.tools.finish() if seq is not None else [])
+            return [self.chunk(text, index, choice, logprobs, final)]
+        reader = self.tools[index]
+        items = reader.feed(text) + (reader.finish() if choice is not None else [])
         deltas: list[dict] = []
         for item in items:
             if isinstance(item, ToolCall):
-                deltas.append({"tool_calls": [item.openai(index=self.calls_sent)]})
-                self.calls_sent += 1
+                deltas.append({"tool_calls": [item.openai(index=self.calls_sent[index])]})
+                self.calls_sent[index] += 1
             else:
                 deltas.append({"content": item})
-        if not deltas and (logprobs or seq is not None):
+        if not deltas and (logprobs or choice is not None or final is not None):
             deltas.append({"content": ""})
         out = []
-        for i, delta in enumerate(deltas):
-            last = i == len(deltas) - 1
-            chunk = self.chunk(delta, seq if last else None, logprobs if i == 0 else ())
-            if last and seq is not None and self.calls_sent:
-                chunk["choices"][0]["finish_reason"] = _tools_finish(seq.finish_reason)
+        for j, delta in enumerate(deltas):
+            last = j == len(deltas) - 1
+            chunk = self.chunk(delta, index, choice if last else None, logprobs if j == 0 else (),
+                               final if last else None)
+            if last and choice is not None and self.calls_sent[index]:
+                chunk["choices"][0]["finish_reason"] = _tools_finish(choice.finish_reason)
             out.append(chunk)
         return out
 
-    def usage_chunk(self, seq: Sequence) -> dict:
+    def usage_chunk(self, seqs: tuple[Sequence, ...]) -> dict:
         """The chunk after the last one when ``include_usage`` is set: usage, no choices."""
-        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", None, seq)
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [], seqs)
         del body["speculative_stats"]  # the last chunk with a choice has them
         return body
 
-    def _logprobs(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...]) -> dict | None:
-        """The ``logprobs`` of a choice (or chunk) holding ``entries``, in OpenAI's shape."""
+    def _logprobs(self, entries: list[TokenLogprob] | tuple[TokenLogprob, ...], index: int = 0) -> dict | None:
+        """The ``logprobs`` of choice ``index`` (or its chunk) holding ``entries``, in OpenAI's shape."""
         if self.top_logprobs is None:
             return None
         if self.chat:
@@ -738,8 +778,8 @@ class _Reply:
         tokens = [self._text(t.token_id) for t in entries]
         offsets = []
         for token in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(token)
+            offsets.append(self.text_offset[index])
+            self.text_offset[index] += len(token)
         return {"tokens": tokens, "token_logprobs": [_finite(t.logprob) for t in entries],
                 "top_logprobs": [{**{self._text(i): _finite(lp) for i, lp in t.top},
                                   self._text(t.token_id): _finite(t.logprob)} for t in entries],

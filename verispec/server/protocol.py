@@ -16,8 +16,16 @@ every bound below is also published there:
   number of top logprobs, 0 to ``MAX_TOP_LOGPROBS``), as vLLM defines them by default (see
   :mod:`verispec.logprobs`); ``top_logprobs`` without ``logprobs: true`` is a 400, as in OpenAI's API.
 
+* ``presence_penalty`` and ``frequency_penalty`` in [-2, 2], ``logit_bias`` (token id strings to
+  biases in [-100, 100]; an id outside the vocabulary is a 400) as OpenAI's, and vLLM's
+  ``repetition_penalty`` (> 0) and ``min_tokens`` (at most the completion's max tokens): defined in
+  :mod:`verispec.penalties`, and exact under speculation.
+* ``n`` samples (1 to ``MAX_N``, at most the server's ``max_num_seqs``): choices 0..n-1, with one
+  prefill, each with its own seed stream (:meth:`verispec.config.SamplingParams.for_choice`).
+  ``usage`` counts the prompt once and every choice's tokens, as OpenAI's does.
+
 Fields that OpenAI defines but verispec does not implement are accepted only at their neutral
-value (``n`` 1 or null, zero penalties), which the schema states; anything else
+value (``echo`` false, ``best_of`` 1), which the schema states; anything else
 is a clear 400 (:meth:`SamplingRequest.refused`), never silently ignored. So is an unknown key,
 at the top level or inside a chat message, and ``stream_options`` without ``stream: true`` (as
 OpenAI answers). Each such 400 names the field in the error's ``param``.
@@ -48,13 +56,15 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema, model_validator
 
-from verispec.config import SEED_MAX, SEED_MIN, TOP_K_MAX
+from verispec.config import LOGIT_BIAS_MAX, PENALTY_MAX, SEED_MAX, SEED_MIN, TOP_K_MAX
 from verispec.constraints import Grammar
 from verispec.metrics import SpecMetrics
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1000
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API and vLLM's default max_logprobs
+MAX_N = 128  # choices per request, as OpenAI's API (the server's max_num_seqs bounds it too)
+MAX_LOGIT_BIAS = 300  # logit_bias entries, as OpenAI's API
 LOGPROB_FLOOR = -9999.0  # a logprob of -inf is sent as this (JSON has no infinity), as vLLM does
 
 
@@ -85,6 +95,9 @@ Int64 = Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), BeforeValidator(_integra
                   WithJsonSchema({"type": "integer", "format": "int64"})]
 Text = Annotated[str, BeforeValidator(_valid_unicode)]
 NonEmptyText = Annotated[str, StringConstraints(min_length=1), BeforeValidator(_valid_unicode)]
+Penalty = Annotated[float, Field(ge=-PENALTY_MAX, le=PENALTY_MAX)]
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]
+TokenIdText = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$"), BeforeValidator(_valid_unicode)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), BeforeValidator(_valid_unicode)]
 FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # as OpenAI's
 
@@ -185,20 +198,17 @@ class SamplingRequest(_Strict):
     guided_regex: Text | None = None
     guided_grammar: Text | None = None  # a Lark grammar as llguidance reads it, or GBNF
     guided_choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
-    # Accepted only at their neutral value (`refused`); the schema says which.
-    n: Int | None = Field(default=1, json_schema_extra={"enum": [1, None]})  # null means 1, as in OpenAI's API
-    presence_penalty: float = Field(default=0.0, json_schema_extra={"const": 0})
-    frequency_penalty: float = Field(default=0.0, json_schema_extra={"const": 0})
-    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra={"maxProperties": 0})
+    n: Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_integral)] | None = 1  # null means 1, as in OpenAI's API
+    presence_penalty: Penalty | None = 0.0  # null means 0
+    frequency_penalty: Penalty | None = 0.0
+    logit_bias: Annotated[dict[TokenIdText, Bias], Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={
+        "additionalProperties": False})] | None = None  # keys: token ids, as strings
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0  # vLLM's; 1 disables
+    min_tokens: NonNegativeInt = 0  # vLLM's
 
     def refused(self) -> Refusal | None:
         """The first option that was set but that verispec refuses (unsupported, or not allowed
         with the others), or None."""
-        if self.n not in (None, 1):
-            return Refusal("n", f"n={self.n} is not supported: verispec returns one choice per request (n=1)")
-        for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
-            if getattr(self, name):
-                return Refusal(name, "presence_penalty, frequency_penalty and logit_bias are not supported by verispec")
         if self.stream_options is not None and not self.stream:
             return Refusal("stream_options", "stream_options is only allowed when stream is true")
         asked = [name for name in GRAMMAR_FIELDS if self._grammar_field(name) is not None]  # at most one
@@ -244,6 +254,13 @@ class SamplingRequest(_Strict):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def token_biases(self) -> dict[int, float]:
+        """``logit_bias`` with token ids for keys (the schema checked that they are digits)."""
+        return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
 
     def requested_logprobs(self) -> int | None:
         """How many top logprobs each emitted token comes with (0: its own only); None: no

@@ -15,7 +15,8 @@ One loop iteration::
 
     end requests that were cancelled or ran past their deadline (a running one is aborted:
         its slot is freed at once)
-    admit waiting requests while a slot is free (prefill each; its first text is delivered)
+    admit waiting requests while slots are free (prefill each; its first text is delivered);
+        a request for n samples waits, first in line, until n slots are free
     engine.step()            one target forward for every running sequence
     deliver new text (and new tokens' logprobs); deliver a final event to each finished or
         failed sequence
@@ -26,7 +27,7 @@ Every submitted request gets exactly one final event (``Event.done``), whatever 
 
 * a failure of one sequence (its drafter, sampling, stop check; see the engine's module doc)
   ends that request with an error, and the others run on;
-* a failure of :meth:`Engine.add_request` ends that request (status 400 for a ``ValueError``,
+* a failure of :meth:`Engine.add_requests` ends that request (status 400 for a ``ValueError``,
   the engine's input check, else 500);
 * anything else raised by a step fails the running requests, and the loop goes on;
 * if the loop itself dies (its error handling raised), the thread's last act ends every request
@@ -81,14 +82,16 @@ class EngineDead(Exception):
 
 @dataclass(frozen=True)
 class Event:
-    """What the engine thread tells one request: new text (and, when the request asked for
-    them, the logprobs of the tokens committed since the last event), and at the end the
-    sequence or an error. ``status`` is the HTTP status an error maps to; ``reason`` its metrics
-    label."""
+    """What the engine thread tells one request: new text of choice ``index`` (and, when the
+    request asked for them, the logprobs of the tokens committed since the last event), that
+    choice's sequence when it has ended, and at the end every choice's sequence or an error.
+    ``status`` is the HTTP status an error maps to; ``reason`` its metrics label."""
 
     text: str = ""
     logprobs: tuple[TokenLogprob, ...] = ()
-    final: Sequence | None = None  # set on the last event of a completed request
+    index: int = 0  # the choice (0 .. n-1) the text belongs to
+    choice: Sequence | None = None  # set on the last event of choice `index`
+    final: tuple[Sequence, ...] | None = None  # set on the last event of a completed request: every choice
     error: str | None = None  # set on the last event of a failed or aborted request
     status: int = 500
     reason: str = "error"
@@ -104,12 +107,15 @@ class Request:
     params: SamplingParams
     num_speculative_tokens: int | None
     deliver: Callable[[Event], None]  # must be thread-safe
+    n: int = 1  # samples of the prompt (choices), with params.for_choice(i)
     arrival: float = field(default_factory=time.monotonic)
     timeout_s: float | None = None  # from arrival to the final event; None: no limit
     cancelled: str | None = None  # why the client side gave up ("cancelled", "slow_reader")
     ended: bool = False  # its final event was delivered
     last_token_at: float = 0.0
-    exported: SpecSnapshot = EMPTY_SNAPSHOT  # speculative counters already exported
+    exported: dict[int, SpecSnapshot] = field(default_factory=dict)  # per choice: counters already exported
+    sequences: list[Sequence] = field(default_factory=list)  # one per choice, once admitted
+    open_choices: int = 0  # choices whose last event is still to come
 
     @property
     def deadline(self) -> float | None:
@@ -294,15 +300,16 @@ class EngineRunner:
     def _admit(self) -> None:
         while self.engine.free_slots:
             with self._cond:
-                if not self._waiting:
-                    return
+                if not self._waiting or len(self.engine.free_slots) < min(self._waiting[0].n, self.engine.cache.num_slots):
+                    return  # first come, first served: n samples wait for n free slots
                 r = self._waiting.popleft()
                 self._prefilling = 1
                 self._update_gauges()
             try:
                 self.busy_since = time.monotonic()
                 try:
-                    seq = self.engine.add_request(r.prompt_ids, r.params, r.num_speculative_tokens)
+                    seqs = self.engine.add_requests(r.prompt_ids, [r.params.for_choice(i) for i in range(r.n)],
+                                                    r.num_speculative_tokens)
                 finally:
                     self.busy_since = None
                     self._prefilling = 0
@@ -317,11 +324,14 @@ class EngineRunner:
             now = time.monotonic()
             self.metrics.ttft.observe(now - r.arrival)
             self.metrics.prompt_tokens.inc(len(r.prompt_ids))
-            self.metrics.cached_prompt_tokens.inc(seq.metrics.cached_prompt_tokens)
+            self.metrics.cached_prompt_tokens.inc(seqs[0].metrics.cached_prompt_tokens)
             r.last_token_at = now
-            self._running[seq] = r
+            r.sequences, r.open_choices = seqs, len(seqs)
+            for seq in seqs:
+                self._running[seq] = r
             self._update_gauges()
-            self._report(seq, r, seq.text, len(seq.output_ids))
+            for seq in seqs:
+                self._report(seq, r, seq.text, len(seq.output_ids))
 
     def _step(self) -> None:
         before = {seq: len(seq.output_ids) for seq in self._running}
@@ -339,17 +349,30 @@ class EngineRunner:
             self._report(seq, r, texts.get(seq, ""), new)
 
     def _report(self, seq: Sequence, r: Request, text: str, new_tokens: int) -> None:
+        if r.ended:
+            return  # another choice of the request failed
+        index = r.sequences.index(seq)
         self.metrics.generation_tokens.inc(new_tokens)
-        r.exported = self.metrics.observe_spec(seq.metrics, r.exported)
+        r.exported[index] = self.metrics.observe_spec(seq.metrics, r.exported.get(index, EMPTY_SNAPSHOT))
         logprobs = tuple(seq.output_logprobs[len(seq.output_logprobs) - new_tokens:]) if seq.output_logprobs else ()
         if not seq.finished:
             if text or logprobs:
-                r.deliver(Event(text=text, logprobs=logprobs))
+                r.deliver(Event(text=text, logprobs=logprobs, index=index))
             return
         if seq.finish_reason == "error":
-            self._finish(seq, r, Event(text=text, error=f"internal engine error: {seq.error}"))
+            for other in r.sequences:  # one failed choice fails the request
+                if other in self._running and other is not seq:
+                    self.engine.abort(other)
+                    self._running.pop(other)
+            self._finish(seq, r, Event(text=text, index=index, error=f"internal engine error: {seq.error}"))
             return
-        self._finish(seq, r, Event(text=text, logprobs=logprobs, final=seq))
+        r.open_choices -= 1
+        if r.open_choices:
+            self._running.pop(seq, None)
+            self._update_gauges()
+            r.deliver(Event(text=text, logprobs=logprobs, index=index, choice=seq))
+            return
+        self._finish(seq, r, Event(text=text, logprobs=logprobs, index=index, choice=seq, final=tuple(r.sequences)))
 
     def _finish(self, seq: Sequence, r: Request, event: Event) -> None:
         """A running request's final event (its sequence has left the engine's batch)."""
@@ -363,7 +386,7 @@ class EngineRunner:
             return
         r.ended = True
         if event.error is None:
-            self.metrics.success.labels(finished_reason=event.final.finish_reason).inc()
+            self.metrics.success.labels(finished_reason=event.final[0].finish_reason).inc()
         elif event.reason == "invalid":
             self.metrics.rejected.labels(reason="invalid").inc()
         else:
@@ -375,4 +398,9 @@ class EngineRunner:
 
     def _update_gauges(self) -> None:
         self.metrics.waiting.set(len(self._waiting))
-        self.metrics.running.set(len(self._running) + self._prefilling)
+        self.metrics.running.set(self._num_running + self._prefilling)
+
+    @property
+    def _num_running(self) -> int:
+        """Running requests (a request's n samples are n running sequences)."""
+        return len(set(self._running.values()))

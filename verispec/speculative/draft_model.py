@@ -21,7 +21,9 @@ request in that slot reads only what its prompt does not share with them.
 The draft samples from q = logits_to_probs(draft logits) with the request's own sampling
 settings and generator, and returns q with the tokens, so verification stays exact. With a cut
 vocabulary (:class:`DraftVocabulary`) q is zero outside the kept ids, which changes acceptance
-only: the rule is exact for any q.
+only: the rule is exact for any q. A request with penalties, ``logit_bias`` or ``min_tokens``
+gets them on q as well (counting the output and this round's drafts, as the target's rows count
+them: :func:`verispec.penalties.penalize_next`), so its drafts follow the penalised target.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from verispec.sequence import Sequence, common_prefix
 from verispec.models.decoder import PREFILL_MIN_TOKENS, Decoder, invariant_linear
 from verispec.models.native import NativeLinear, gguf_quantized
 from verispec.models.registry import BUNDLED_MODELS
+from verispec.penalties import penalize_next
 from verispec.sampling import logits_to_probs, sample
 from verispec.speculative.base import DraftCalibration, Drafter, Outcome, Proposal
 from verispec.speculative.cost_model import relative_time
@@ -296,7 +299,14 @@ class DraftModelDrafter(Drafter):
         keep, value = self._keep, 1.0
         for _ in range(k):
             logits = self._next_logits(seq.slot, feed)  # [V_draft], or [V_kept] with a cut vocabulary
-            if p.greedy and keep is None:
+            if p.changes_logits:  # the request's penalties on q too, so that drafts follow the penalised target
+                x = penalize_next(seq, tokens, self._align_vocab(logits))  # [V_target]
+                q = torch.softmax(x, dim=-1) if p.greedy else logits_to_probs(x, p.temperature, p.top_k, p.top_p, p.min_p)
+                tok = int(x.argmax()) if p.greedy else int(sample(q, seq.generator))
+                if not p.greedy:
+                    probs.append(q)
+                value *= float(q[tok])
+            elif p.greedy and keep is None:
                 tok = self._argmax(logits)
             elif p.greedy:
                 tok, prob = self._argmax_prob(logits)
