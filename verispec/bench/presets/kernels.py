@@ -218,19 +218,20 @@ def bench_model(loaded, repeats: int) -> dict:
 # Vector instructions of the AVX512 row loop (csrc/avx512.cpp) per tile superblock (16 columns,
 # KB k), as GCC compiles it, counted in the loop bodies' disassembly: those that issue on the
 # SIMD ports (dot products, fp32 steps, the weights' unpacking), not loads, stores or register
-# moves. A block of R rows costs UNPACK once (the weights' bits split, each sub's fp32 scales
-# made) and PER_ROW for each row. Q4_K, per sub of 32: 8 vpandd and 4 vpsrlw split the nibbles,
-# and a row takes 8 vpdpbusd plus its fp32 steps (a convert, a multiply, an fma, the offset's
-# fnmadd); the scales take 3 instructions per sub and dl or ml, and 2 fp16 converts. Q6_K, per
-# sub of 16: about 13 instructions join the nibbles to their high bits (vpandd, vpsrlw, vpsllw,
-# vpternlogd), and a row takes 4 vpdpbusd and 3 fp32 steps. Q4_1 as one Q4_K sub (its scales: 2
-# fp16 converts and a sign flip); Q8_0 flips each group's top bit (8 vpxord) and takes no
-# offset's step. Below 4 rows each row's sums run in P partial chains, P - 1 adds per row and
-# sub. Formats not here have no bound.
-AVX512_OPS = {"Q4_K": {"kb": 256, "unpack": 8 * 12 + 8 * 2 * 3 + 2, "per_row": 8 * (8 + 4), "subs": 8},
-              "Q6_K": {"kb": 256, "unpack": 16 * 13 + 16 * 3 + 1, "per_row": 16 * (4 + 3), "subs": 16},
-              "Q4_1": {"kb": 32, "unpack": 12 + 3, "per_row": 8 + 4, "subs": 1},
-              "Q8_0": {"kb": 32, "unpack": 8 + 1, "per_row": 8 + 3, "subs": 1}}
+# moves. A block of R rows costs WEIGHTS once (the weights' bits split) and PER_ROW for each row;
+# a superblock's fp32 scales cost SCALES, once for all its blocks (per block for the 32-wide
+# formats, whose calls take several superblocks). Q4_K, per sub of 32: 8 vpandd and 4 vpsrlw
+# split the nibbles, and a row takes 8 vpdpbusd plus its fp32 steps (a convert, a multiply, an
+# fma, the offset's fnmadd); the scales take 3 instructions per sub and dl or ml, and 2 fp16
+# converts. Q6_K, per sub of 16: about 13 instructions join the nibbles to their high bits
+# (vpandd, vpsrlw, vpsllw, vpternlogd), and a row takes 4 vpdpbusd and 3 fp32 steps. Q4_1 as one
+# Q4_K sub (its scales: 2 fp16 converts and a sign flip); Q8_0 flips each group's top bit (8
+# vpxord) and takes no offset's step. Below 4 rows each row's sums run in P partial chains, P - 1
+# adds per row and sub. Formats not here have no bound.
+AVX512_OPS = {"Q4_K": {"kb": 256, "weights": 8 * 12, "scales": 8 * 2 * 3 + 2, "per_row": 8 * (8 + 4), "subs": 8},
+              "Q6_K": {"kb": 256, "weights": 16 * 13, "scales": 16 * 3 + 1, "per_row": 16 * (4 + 3), "subs": 16},
+              "Q4_1": {"kb": 32, "weights": 12, "scales": 3, "per_row": 8 + 4, "subs": 1},
+              "Q8_0": {"kb": 32, "weights": 8, "scales": 1, "per_row": 8 + 3, "subs": 1}}
 MAX_BLOCK = 12  # rows per AVX512 block (csrc/avx512.cpp, rows)
 BOUND_POSITIONS = tuple(range(1, 18))
 
@@ -248,9 +249,10 @@ def avx512_row_blocks(m: int) -> list[int]:
 
 def avx512_superblock_ops(fmt: str, m: int) -> int:
     """Vector instructions of one tile superblock of ``fmt`` against ``m`` rows (``AVX512_OPS``)."""
-    c = AVX512_OPS[fmt]
+    c, blocks = AVX512_OPS[fmt], avx512_row_blocks(m)
     partial = {1: 3, 2: 1, 3: 1}
-    return sum(c["unpack"] + r * c["per_row"] + r * partial.get(r, 0) * c["subs"] for r in avx512_row_blocks(m))
+    scales = c["scales"] * (1 if c["kb"] == 256 else len(blocks))
+    return scales + sum(c["weights"] + r * c["per_row"] + r * partial.get(r, 0) * c["subs"] for r in blocks)
 
 
 def zmm_per_cycle() -> int:
@@ -301,6 +303,7 @@ def bench_bounds(loaded, repeats: int, threads: int) -> dict:
         measured = ratio(times, f"T={t}", "T=1")
         bound = None if compute is None else max(1.0, compute / step)
         out["passes"][t] = {"blocks": avx512_row_blocks(t), "measured": measured, "bound": bound,
+                            "compute_ms": None if compute is None else compute * 1e3,
                             "measured_over_bound": None if bound is None else measured[0] / bound}
     return out
 
@@ -570,12 +573,13 @@ def main(argv: list[str] | None = None) -> int:
             result["bounds"] = b
             print(f"\npasses against their bounds (step {b['step_ms']:.1f} ms; clock {b['clock_ghz']:.2f} GHz, "
                   f"{b['zmm_per_cycle']} zmm instructions per cycle; bound = max(step, the matmuls' vector instructions)):")
-            print("| T | row blocks | pass / step | bound / step | measured / bound |")
-            print("|---|---|---|---|---|")
+            print("| T | row blocks | matmuls' instructions, ms | pass / step | bound / step | measured / bound |")
+            print("|---|---|---|---|---|---|")
             for t, r in b["passes"].items():
+                compute = "-" if r["compute_ms"] is None else f"{r['compute_ms']:.1f}"
                 bound = "-" if r["bound"] is None else f"{r['bound']:.2f}"
                 over = "-" if r["measured_over_bound"] is None else f"{r['measured_over_bound']:.2f}"
-                print(f"| {t} | {'+'.join(map(str, r['blocks']))} | {_fmt(r['measured'])} | {bound} | {over} |")
+                print(f"| {t} | {'+'.join(map(str, r['blocks']))} | {compute} | {_fmt(r['measured'])} | {bound} | {over} |")
     if "calls" in sections:
         c = bench_calls(loaded, args.repeats)
         result["calls"] = c
