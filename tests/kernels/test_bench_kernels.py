@@ -17,7 +17,7 @@ from verispec.bench.presets import kernels as preset
 def test_bench_kernels_reports_its_sections(capsys):
     threads = torch.get_num_threads()
     try:
-        assert preset.main(["--model", "smollm2-135m-instruct", "--repeats", "1", "--sections", "shapes,paths,model,calls,attention"]) == 0
+        assert preset.main(["--model", "smollm2-135m-instruct", "--repeats", "1", "--sections", "shapes,paths,model,bounds,calls,attention"]) == 0
     finally:
         torch.set_num_threads(threads)  # the preset sets its own
     out = capsys.readouterr().out
@@ -45,3 +45,33 @@ def test_bench_kernels_reports_its_sections(capsys):
     assert set(calls) == {"T=1", "T=9"}
     assert all(c["one_call_ms"] > 0 and c["python_ms"] > 0 and c["ratio"][1] <= c["ratio"][0] <= c["ratio"][2]
                for c in calls.values())
+    if kernels.best_isa() in ("avx512", "amx"):
+        b = result["bounds"]
+        assert b["step_ms"] > 0 and b["clock_ghz"] > 0 and b["zmm_per_cycle"] in (1, 2)
+        assert set(b["passes"]) == {str(t) for t in preset.BOUND_POSITIONS}
+        for t, r in b["passes"].items():
+            assert r["blocks"] == preset.avx512_row_blocks(int(t))
+            assert r["bound"] >= 1.0  # the model's formats (Q4_1, Q8_0) all have counts
+            assert r["measured_over_bound"] == pytest.approx(r["measured"][0] / r["bound"])
+            assert r["compute_ms"] > 0 and r["bound"] == pytest.approx(max(1.0, r["compute_ms"] / b["step_ms"]))
+        assert "| T | row blocks | matmuls' instructions, ms | pass / step | bound / step | measured / bound |" in out
+    else:
+        assert "bounds: skipped" in out
+
+
+def test_avx512_row_blocks_are_the_fewest_even_blocks_and_each_costs_one_unpacking():
+    for m in range(1, 61):
+        blocks = preset.avx512_row_blocks(m)
+        assert sum(blocks) == m and len(blocks) == -(-m // preset.MAX_BLOCK)
+        assert max(blocks) <= preset.MAX_BLOCK and max(blocks) - min(blocks) <= 1
+    assert preset.avx512_row_blocks(9) == [9] and preset.avx512_row_blocks(17) == [9, 8]
+    for fmt, c in preset.AVX512_OPS.items():
+        ops = {m: preset.avx512_superblock_ops(fmt, m) for m in range(1, 26)}
+        # within one block a row adds its own instructions only; the 13th row starts a second
+        # block, which splits the weights again (and makes the scales again where a call takes
+        # several superblocks)
+        again = c["weights"] + (c["scales"] if c["kb"] == 32 else 0)
+        assert all(ops[m + 1] - ops[m] == c["per_row"] for m in range(4, 12))
+        assert ops[13] - ops[12] == again + c["per_row"]
+        assert ops[25] - ops[24] == again + c["per_row"]
+

@@ -227,6 +227,13 @@ def supported_isas() -> list[str]:
     return [names[i] for i in _lib().supported_isas()]
 
 
+def core_clock_hz() -> float:
+    """The calling core's clock in cycles per second, from a timed chain of dependent integer adds
+    (``csrc/ops.cpp``): what the verify-pass bounds of ``verispec bench kernels`` turn instruction
+    counts into time with."""
+    return float(_lib().core_clock_hz())
+
+
 def best_isa() -> str:
     """The most capable path this CPU runs (a call picks per row count among those, see
     :func:`matmul`)."""

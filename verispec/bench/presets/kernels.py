@@ -19,6 +19,9 @@ Sections:
   step (T = 1), the same for T = 9 after 512 cached tokens (a prompt and answer of Spec-Bench's
   size), batch-8 decode throughput against batch 1, and a 700-token prompt's prefill
   (each pass timed right after an untimed one of its own, see ``interleaved``).
+* ``bounds``: passes of T = 1..17 positions against a decode step, each beside its floor (see
+  ``pass_bound``): the measured pass/step, the bound over the step, and measured/bound. It needs
+  the AVX512 path, whose row loop's instructions it counts.
 * ``calls``: a decode step and a 9-position pass with each decoder layer in one native call
   (the default, ``csrc/layer.cpp``) against the Python layer making the same kernel calls one by
   one (``Decoder.native_layers = False``): what the Python around the kernels costs.
@@ -161,6 +164,22 @@ def bench_shapes(model, repeats: int, bandwidth: float) -> list[dict]:
     return rows
 
 
+def _pass_of(model, context: torch.Tensor, t: int, batch: int = 1) -> Callable[[], object]:
+    """A pass of ``t`` positions per slot after ``context`` ([1, c0] token ids), rolled back after
+    each call so that every timed pass sees the same cache."""
+    c0 = context.shape[1]
+    cache = model.new_cache(c0 + 64, num_slots=batch)
+    model(context.expand(batch, -1), torch.arange(c0)[None].expand(batch, -1), cache)
+    toks = torch.full((batch, t), 42)
+    pos = torch.arange(c0, c0 + t)[None].expand(batch, -1)
+
+    def run():
+        model(toks, pos, cache)
+        for slot in range(batch):
+            cache.truncate(slot, c0)
+    return run
+
+
 def bench_model(loaded, repeats: int) -> dict:
     model = loaded.model
     prompt = loaded.tokenizer.apply_chat_template("Write a Python function that checks whether a string is a palindrome.")
@@ -170,17 +189,7 @@ def bench_model(loaded, repeats: int) -> dict:
     long_ids = torch.tensor([(prompt * (700 // n0 + 1))[:700]])
 
     def pass_of(t: int, batch: int = 1, context: torch.Tensor = ids) -> Callable[[], object]:
-        c0 = context.shape[1]
-        cache = model.new_cache(c0 + 64, num_slots=batch)
-        model(context.expand(batch, -1), torch.arange(c0)[None].expand(batch, -1), cache)
-        toks = torch.full((batch, t), 42)
-        pos = torch.arange(c0, c0 + t)[None].expand(batch, -1)
-
-        def run():
-            model(toks, pos, cache)
-            for slot in range(batch):  # roll back: every timed pass sees the same cache
-                cache.truncate(slot, c0)
-        return run
+        return _pass_of(model, context, t, batch)
 
     configs = {f"T={t}": pass_of(t) for t in POSITIONS}
     configs["batch=8"] = pass_of(1, 8)
@@ -204,6 +213,99 @@ def bench_model(loaded, repeats: int) -> dict:
         "batch8_throughput": (lambda r: (8 / r[0], 8 / r[2], 8 / r[1]))(ratio(times, "batch=8", "T=1")),
         "prefill_700_s": statistics.median(times["prefill 700"]),
     }
+
+
+# Vector instructions of the AVX512 row loop (csrc/avx512.cpp) per tile superblock (16 columns,
+# KB k), as GCC compiles it, counted in the loop bodies' disassembly: those that issue on the
+# SIMD ports (dot products, fp32 steps, the weights' unpacking), not loads, stores or register
+# moves. A block of R rows costs WEIGHTS once (the weights' bits split) and PER_ROW for each row;
+# a superblock's fp32 scales cost SCALES, once for all its blocks (per block for the 32-wide
+# formats, whose calls take several superblocks). Q4_K, per sub of 32: 8 vpandd and 4 vpsrlw
+# split the nibbles, and a row takes 8 vpdpbusd plus its fp32 steps (a convert, a multiply, an
+# fma, the offset's fnmadd); the scales take 3 instructions per sub and dl or ml, and 2 fp16
+# converts. Q6_K, per sub of 16: about 13 instructions join the nibbles to their high bits
+# (vpandd, vpsrlw, vpsllw, vpternlogd), and a row takes 4 vpdpbusd and 3 fp32 steps. Q4_1 as one
+# Q4_K sub (its scales: 2 fp16 converts and a sign flip); Q8_0 flips each group's top bit (8
+# vpxord) and takes no offset's step. Below 4 rows each row's sums run in P partial chains, P - 1
+# adds per row and sub. Formats not here have no bound.
+AVX512_OPS = {"Q4_K": {"kb": 256, "weights": 8 * 12, "scales": 8 * 2 * 3 + 2, "per_row": 8 * (8 + 4), "subs": 8},
+              "Q6_K": {"kb": 256, "weights": 16 * 13, "scales": 16 * 3 + 1, "per_row": 16 * (4 + 3), "subs": 16},
+              "Q4_1": {"kb": 32, "weights": 12, "scales": 3, "per_row": 8 + 4, "subs": 1},
+              "Q8_0": {"kb": 32, "weights": 8, "scales": 1, "per_row": 8 + 3, "subs": 1}}
+MAX_BLOCK = 12  # rows per AVX512 block (csrc/avx512.cpp, rows)
+BOUND_POSITIONS = tuple(range(1, 18))
+
+
+def avx512_row_blocks(m: int) -> list[int]:
+    """The row blocks the AVX512 path runs a call of ``m`` rows in: the fewest blocks of at most
+    ``MAX_BLOCK`` rows, of sizes that differ by at most one (as ``rows`` in csrc/avx512.cpp)."""
+    blocks, out = -(-m // MAX_BLOCK), []
+    while blocks:
+        r = -(-m // blocks)
+        out.append(r)
+        m, blocks = m - r, blocks - 1
+    return out
+
+
+def avx512_superblock_ops(fmt: str, m: int) -> int:
+    """Vector instructions of one tile superblock of ``fmt`` against ``m`` rows (``AVX512_OPS``)."""
+    c, blocks = AVX512_OPS[fmt], avx512_row_blocks(m)
+    partial = {1: 3, 2: 1, 3: 1}
+    scales = c["scales"] * (1 if c["kb"] == 256 else len(blocks))
+    return scales + sum(c["weights"] + r * c["per_row"] + r * partial.get(r, 0) * c["subs"] for r in blocks)
+
+
+def zmm_per_cycle() -> int:
+    """512-bit vector instructions a core issues per cycle on the ports the row loop uses: Zen 4
+    (AMD family 25 with AVX512) runs each as two 256-bit halves on its two multiply pipes, one per
+    cycle; full-width AVX512 cores two."""
+    vendor = family = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    vendor = line.split(":", 1)[1].strip()
+                elif line.startswith("cpu family"):
+                    family = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return 1 if vendor == "AuthenticAMD" and family == "25" else 2
+
+
+def pass_bound(model, t: int, clock_hz: float, threads: int) -> float | None:
+    """Seconds that the matmuls of a pass of ``t`` positions need on the vector ports at least:
+    every native layer's tile superblocks times ``avx512_superblock_ops``, at ``zmm_per_cycle``
+    and the measured clock, on ``threads`` cores. None if a layer's format has no count."""
+    total = 0
+    for layers in _layer_groups(model).values():
+        for lin in layers:
+            for p in lin.parts:
+                name = kernels.format_name(p.fmt)
+                if name not in AVX512_OPS:
+                    return None
+                total += p.n // kernels.TILE * (p.k // AVX512_OPS[name]["kb"]) * avx512_superblock_ops(name, t)
+    return total / (zmm_per_cycle() * clock_hz * threads)
+
+
+def bench_bounds(loaded, repeats: int, threads: int) -> dict:
+    """Passes of ``BOUND_POSITIONS`` against a decode step, interleaved, each beside its bound:
+    the larger of the step (memory: a pass reads the weights a step reads) and ``pass_bound``."""
+    model = loaded.model
+    prompt = loaded.tokenizer.apply_chat_template("Write a Python function that checks whether a string is a palindrome.")
+    configs = {f"T={t}": _pass_of(model, torch.tensor([prompt]), t) for t in BOUND_POSITIONS}
+    times = interleaved(configs, repeats, warm=tuple(configs))
+    step = statistics.median(times["T=1"])
+    clock = kernels.core_clock_hz()
+    out = {"step_ms": step * 1e3, "clock_ghz": clock / 1e9, "zmm_per_cycle": zmm_per_cycle(), "passes": {}}
+    for t in BOUND_POSITIONS:
+        compute = pass_bound(model, t, clock, threads)
+        measured = ratio(times, f"T={t}", "T=1")
+        bound = None if compute is None else max(1.0, compute / step)
+        out["passes"][t] = {"blocks": avx512_row_blocks(t), "measured": measured, "bound": bound,
+                            "compute_ms": None if compute is None else compute * 1e3,
+                            "measured_over_bound": None if bound is None else measured[0] / bound}
+    return out
 
 
 def bench_calls(loaded, repeats: int) -> dict:
@@ -463,6 +565,21 @@ def main(argv: list[str] | None = None) -> int:
               f"prefill of 700 tokens: {m['prefill_700_s']:.2f} s")
         result["prefill_path"] = prefill_path()
         print(f"prefill path: {result['prefill_path']['text']}")
+    if "bounds" in sections:
+        if kernels.best_isa() not in ("avx512", "amx"):
+            print(f"\nbounds: skipped (they count the AVX512 row loop's instructions; this CPU runs {kernels.best_isa()})")
+        else:
+            b = bench_bounds(loaded, args.repeats, args.threads)
+            result["bounds"] = b
+            print(f"\npasses against their bounds (step {b['step_ms']:.1f} ms; clock {b['clock_ghz']:.2f} GHz, "
+                  f"{b['zmm_per_cycle']} zmm instructions per cycle; bound = max(step, the matmuls' vector instructions)):")
+            print("| T | row blocks | matmuls' instructions, ms | pass / step | bound / step | measured / bound |")
+            print("|---|---|---|---|---|---|")
+            for t, r in b["passes"].items():
+                compute = "-" if r["compute_ms"] is None else f"{r['compute_ms']:.1f}"
+                bound = "-" if r["bound"] is None else f"{r['bound']:.2f}"
+                over = "-" if r["measured_over_bound"] is None else f"{r['measured_over_bound']:.2f}"
+                print(f"| {t} | {'+'.join(map(str, r['blocks']))} | {compute} | {_fmt(r['measured'])} | {bound} | {over} |")
     if "calls" in sections:
         c = bench_calls(loaded, args.repeats)
         result["calls"] = c

@@ -170,10 +170,11 @@ static inline __attribute__((always_inline)) void crumb_superblock(const uint8_t
 
 // R rows at once, reading the weights straight from the packed tile: each pair of groups is
 // loaded (and its nibbles split) once for the R rows, and the R independent dpbusd chains hide
-// the instruction's latency.
+// the instruction's latency. scales: the superblock's fp32 scales, made once for all the row
+// blocks of a 256-wide format's superblock (count 1), or null to make them here.
 template <int KB, int SUB, int NIB, int HB, bool SIGNED, int OFF, bool FPOFF, int R>
 static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int count, const QActs& a, int64_t s0,
-                       float* acc, int64_t m0, PrefetchQueue& pq) {
+                       float* acc, int64_t m0, PrefetchQueue& pq, const Unpacked* scales) {
   constexpr int NSUB = KB / SUB, GPS = SUB / 4;
   __m512 y[R];
   if constexpr (NIB == 2 && R > 4) {  // Q2_K, Q3_K with their accumulators in acc
@@ -193,8 +194,8 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
     continue;
   }
   const int64_t b0 = s * (KB / kActBlock);
-  Unpacked u;  // the scales only: the weights are read from the tile
-  unpack_scales(fmt, f, tile, &u);
+  Unpacked own;  // the scales only: the weights are read from the tile
+  const Unpacked& u = scales ? *scales : (unpack_scales(fmt, f, tile, &own), own);
   // With few rows, each row's sum runs in P partial chains (groups g % P), added at the end:
   // integer sums, so the split cannot change a result, and the chains overlap their latency.
   constexpr int P = R == 1 ? 4 : R < 4 ? 2 : 1;
@@ -256,20 +257,37 @@ static void rows_block(int fmt, const FormatInfo& f, const uint8_t* tile0, int c
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + (m0 + r) * kTile, y[r]);
 }
 
+// Blocks of at most 12 rows for a call of M rows: the fewest blocks, ceil(M / 12), of sizes that
+// differ by at most one (13 rows: 7 + 6; 17: 9 + 8; 24: 12 + 12). Each block unpacks the tile's
+// weights again, so fewer blocks save that work, and even sizes keep every block wide enough that
+// its dot-product chains overlap (a lone row runs at its latency-bound cost, about 2.4 rows' worth
+// in a block). Up to 12 rows fit the 32 zmm registers (12 accumulators, 12 sums, the weights).
+// A 256-wide superblock's fp32 scales are made once for all its blocks. Row blocks never change
+// a row's arithmetic: the contract fixes each row's sums and fp32 order.
+static inline int row_block_size(int64_t rows_left, int64_t blocks_left) {
+  return (int)((rows_left + blocks_left - 1) / blocks_left);
+}
+
 template <int KB, int SUB, int NIB, int HB, bool SIGNED, int OFF, bool FPOFF>
 static void rows(int fmt, const FormatInfo& f, const uint8_t* tile, int count, const QActs& a, int64_t s, float* acc) {
-  // Blocks of 8 rows, and the rest in one block: up to 12 rows fit the 32 zmm registers (12
-  // accumulators, 12 sums, the weights), so a 9-row verify pass is one block, not 8 + 1 (a lone
-  // row runs at its latency-bound cost, about 2.4 rows' worth in a block).
   PrefetchQueue& pq = thread_prefetch_queue();
-  int64_t m = 0;
-  for (; a.m - m > 12; m += 8) rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, 8>(fmt, f, tile, count, a, s, acc, m, pq);
-  switch (a.m - m) {
+  const int64_t nblocks = (a.m + 11) / 12;
+  Unpacked shared;
+  const Unpacked* scales = nullptr;
+  if (KB == 256 && NIB != 2 && nblocks > 1 && count == 1) {  // (ops.cpp calls them one at a time)
+    unpack_scales(fmt, f, tile, &shared);
+    scales = &shared;
+  }
+  for (int64_t m = 0, blocks = nblocks; blocks > 0; --blocks) {
+    const int r = row_block_size(a.m - m, blocks);
+    switch (r) {
 #define VERISPEC_ROWS(R) \
-    case R: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, R>(fmt, f, tile, count, a, s, acc, m, pq); break;
-    VERISPEC_ROWS(1) VERISPEC_ROWS(2) VERISPEC_ROWS(3) VERISPEC_ROWS(4) VERISPEC_ROWS(5) VERISPEC_ROWS(6)
-    VERISPEC_ROWS(7) VERISPEC_ROWS(8) VERISPEC_ROWS(9) VERISPEC_ROWS(10) VERISPEC_ROWS(11) VERISPEC_ROWS(12)
+      case R: rows_block<KB, SUB, NIB, HB, SIGNED, OFF, FPOFF, R>(fmt, f, tile, count, a, s, acc, m, pq, scales); break;
+      VERISPEC_ROWS(1) VERISPEC_ROWS(2) VERISPEC_ROWS(3) VERISPEC_ROWS(4) VERISPEC_ROWS(5) VERISPEC_ROWS(6)
+      VERISPEC_ROWS(7) VERISPEC_ROWS(8) VERISPEC_ROWS(9) VERISPEC_ROWS(10) VERISPEC_ROWS(11) VERISPEC_ROWS(12)
 #undef VERISPEC_ROWS
+    }
+    m += r;
   }
 }
 

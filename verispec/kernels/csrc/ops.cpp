@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -476,6 +477,26 @@ std::vector<int64_t> supported_isas() {
   return out;
 }
 
+// The calling core's clock in cycles per second: the fastest of many short timed chains of
+// dependent integer adds, one cycle each on every x86-64 core, so the loop's own instructions run
+// beside them. Short, so that on a shared core some chains run between two preemptions. The
+// verify-pass bounds of `verispec bench kernels` turn instruction counts into time with it
+// (docs/kernels.md, Bounds).
+double core_clock_hz() {
+  constexpr int64_t kIters = 250'000;  // x 8 adds: 2 million cycles, under a millisecond
+  double best = 0.0;
+  for (int trial = 0; trial < 64; ++trial) {
+    uint64_t x = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < kIters; ++i)
+      __asm__ volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\t"
+                       "add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, 8.0 * kIters / s);
+  }
+  return best;
+}
+
 }  // namespace verispec
 
 namespace verispec {
@@ -500,5 +521,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_nbytes", &verispec::packed_nbytes, "bytes of a packed [n, k] weight");
   m.def("supported_isas", &verispec::supported_isas);
   m.def("set_max_isa", &verispec::set_max_isa);
+  m.def("core_clock_hz", &verispec::core_clock_hz, "the calling core's cycles per second (a timed add chain)", nogil());
   verispec::bind_layer(m);
 }
