@@ -203,13 +203,13 @@ def test_a_stalled_step_turns_health_503_and_its_requests_get_504_at_their_deadl
 def test_a_request_being_prefilled_counts_as_running():
     with make_server() as live:
         metrics = live.runner.metrics
-        add = live.runner.engine.add_request
+        prefill = live.runner.engine.prefill
 
-        def slow_add(*args, **kwargs):
+        def slow_prefill(*args, **kwargs):
             time.sleep(1.0)
-            return add(*args, **kwargs)
+            return prefill(*args, **kwargs)
 
-        live.runner.engine.add_request = slow_add
+        live.runner.engine.prefill = slow_prefill
         client = openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
         done = threading.Thread(target=lambda: client.completions.create(model="tiny", prompt="p", max_tokens=2))
         done.start()

@@ -135,8 +135,9 @@ def sampling(engine):  # at a step's verification, not at the prefill's first to
     return engine, "_verify_logits", lambda seq, proposal, logits: poisoned(engine, seq) and bool(seq.output_ids)
 
 
-def add_requests(engine):
-    return engine, "add_requests", lambda ids, *args: engine.target.tokenizer.hf.decode(ids).startswith("poison")
+def prefill(engine):
+    return engine, "prefill", lambda pending, *args: engine.target.tokenizer.hf.decode(
+        pending.prompt_ids).startswith("poison")
 
 
 def forward_pass(engine):
@@ -146,7 +147,7 @@ def forward_pass(engine):
         not prefill and slots is not None and poisoned_slots(engine, slots))
 
 
-@pytest.mark.parametrize("fault", [drafter_propose, sampling, add_requests, forward_pass])
+@pytest.mark.parametrize("fault", [drafter_propose, sampling, prefill, forward_pass])
 def test_a_failure_of_one_request_ends_only_that_request(live, fault):
     owner, name, fails = fault(live.runner.engine)
     original = getattr(owner, name)

@@ -3,7 +3,9 @@
 The engine runs a batch of sequences, each in its own slot of one preallocated KV cache
 (``max_num_seqs`` slots, never reallocated). A request joins with :meth:`Engine.add_request`
 (which prefills it; :meth:`Engine.add_requests` prefills n samples of one prompt once and copies
-the K/V), every :meth:`Engine.step` advances all running sequences by one round, and a finished
+the K/V; :meth:`Engine.begin_requests` and :meth:`Engine.prefill` do it a chunk at a time, which
+gives the same sequences bit for bit where prompts run on the decode kernels,
+:attr:`Engine.chunked_prefill`), every :meth:`Engine.step` advances all running sequences by one round, and a finished
 (or aborted) sequence frees its slot for the next request. :meth:`Engine.generate` is the
 batch-of-one case.
 
@@ -76,7 +78,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -229,6 +231,21 @@ class Engine:
         draws its first token from the prefill's last row with its own generator (so each is the
         sequence :meth:`add_request` would give with its params). Raises ``RuntimeError`` when
         fewer slots are free, ``ValueError`` when the engine has fewer."""
+        pending = self.begin_requests(prompt_ids, params, num_speculative_tokens)
+        try:
+            self.prefill(pending)
+        except BaseException:
+            self.abort_prefill(pending)
+            raise
+        return pending.seqs
+
+    def begin_requests(
+        self, prompt_ids: list[int], params: list[SamplingParams], num_speculative_tokens: int | None = None
+    ) -> Prefill:
+        """:meth:`add_requests` in steps: take the slots and set up the sequences, with nothing
+        run yet. :meth:`prefill` then runs the prompt (whole, or a chunk at a time where
+        :attr:`chunked_prefill`); the sequences join the batch with its last chunk.
+        :meth:`abort_prefill` gives the slots back."""
         if len(params) > self.cache.num_slots:
             raise ValueError(f"n={len(params)} samples need as many sequence slots; the engine has "
                              f"{self.cache.num_slots} (max_num_seqs)")
@@ -237,13 +254,51 @@ class Engine:
                                f"{self.cache.num_slots - len(self.free_slots)} of {self.cache.num_slots} slots are in use")
         slot = self.slots.choose(prompt_ids)
         forks = [s for s in reversed(self.free_slots) if s != slot][: len(params) - 1]
-        seqs = self._prefill(prompt_ids, params, [slot, *forks], num_speculative_tokens)
-        for seq in seqs:
-            self.slots.take(seq.slot)  # the slots are taken only once the prefill has succeeded
-            self.running.append(seq)
-            if seq.finished:
-                self._release(seq)
-        return seqs
+        pending = self._start(prompt_ids, params, [slot, *forks], num_speculative_tokens)
+        for seq in pending.seqs:
+            self.slots.take(seq.slot)
+        return pending
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether a prompt may be prefilled a chunk at a time: where prompts run through the
+        decode kernels (with prefix caching), whose rows do not depend on what else a pass holds,
+        so the chunks' K/V and last logits are the whole prompt's, bit for bit."""
+        return self.prefix_caching
+
+    def prefill(self, pending: Prefill, max_tokens: int | None = None) -> bool:
+        """Run the next ``max_tokens`` positions of ``pending``'s prompt (None, or without
+        :attr:`chunked_prefill`: all that are left). With the last, its sequences get their first
+        tokens and join the batch (a sequence that ends there leaves it at once). Returns whether
+        the prefill is done."""
+        left = len(pending.prompt_ids) - pending.done
+        n = left if max_tokens is None or not self.chunked_prefill else max(min(max_tokens, left), 1)
+        last = n == left
+        seq = pending.seqs[0]
+        t0 = time.perf_counter()
+        device = self.model.device
+        ids = torch.tensor([pending.prompt_ids[pending.done:pending.done + n]], device=device)  # [1, n]
+        positions = torch.arange(pending.done, pending.done + n, device=device)[None]
+        # with prefix caching, the decode path: its entries are the ones a later request reuses
+        logits, features = self._run(ids, positions, [seq.slot], num_logits=1 if last else 0,
+                                     prefill=not self.prefix_caching)  # [1, 1 or 0, V]
+        pending.done += n
+        if features is not None:
+            pending.features.append(features[0])  # [n, F]
+        seq.metrics.prefill_time_s += time.perf_counter() - t0
+        if last:
+            self._finish_prefill(pending, logits)
+        return last
+
+    def abort_prefill(self, pending: Prefill) -> None:
+        """Give back the slots of a prefill that will not finish (its client went away, or it
+        failed); a sequence that already joined the batch is aborted."""
+        for seq in pending.seqs:
+            if seq in self.running:
+                self.abort(seq)
+            elif seq.slot not in self.slots.free:
+                seq.finish_reason = seq.finish_reason or "abort"
+                self.slots.release(seq.slot, [], reusable=False)
 
     def abort(self, seq: Sequence) -> None:
         """Stop a running sequence now and free its slot (a client went away)."""
@@ -301,12 +356,12 @@ class Engine:
 
     # ---- phases ------------------------------------------------------------------------------
 
-    def _prefill(
+    def _start(
         self, prompt_ids: list[int], params: list[SamplingParams], slots: list[int],
         num_speculative_tokens: int | None
-    ) -> list[Sequence]:
-        """Prefill ``prompt_ids`` into ``slots[0]`` and copy its K/V into the other slots; one
-        sequence per params, each with its first token."""
+    ) -> Prefill:
+        """The sequences of ``prompt_ids`` (one per params, in ``slots``), before any of the prompt
+        has run; ``slots[0]`` keeps what its cache shares with the prompt."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         if len(prompt_ids) >= self.max_model_len:
@@ -324,22 +379,22 @@ class Engine:
             num_speculative_tokens=num_speculative_tokens,
             constraint=constraints.start(p.grammar, tok, self.model.config.vocab_size),
         ) for p, slot in zip(params, slots)]
-        seq = seqs[0]
-        t0 = time.perf_counter()
         # positions kept from an earlier request; the prompt's last token is always run, for its logits
-        kept = self.slots.reuse(seq.slot, prompt_ids)
-        seq.metrics.cached_prompt_tokens = kept
-        device = self.model.device
-        ids = torch.tensor([prompt_ids[kept:]], device=device)  # [1, P - kept]
-        positions = torch.arange(kept, len(prompt_ids), device=device)[None]
-        # with prefix caching, the decode path: its entries are the ones a later request reuses
-        logits, features = self._run(ids, positions, [seq.slot], num_logits=1,
-                                     prefill=not self.prefix_caching)  # [1, 1, V]
-        for fork in seqs[1:]:
-            self.slots.copy(seq.slot, fork.slot)
-        for seq in seqs:
+        kept = self.slots.reuse(seqs[0].slot, prompt_ids)
+        seqs[0].metrics.cached_prompt_tokens = kept
+        return Prefill(seqs, list(prompt_ids), kept)
+
+    def _finish_prefill(self, pending: Prefill, logits: torch.Tensor) -> None:
+        """The prompt has run: copy its K/V into the other samples' slots; each sequence takes its
+        first token from the last row and joins the batch."""
+        first = pending.seqs[0]
+        features = torch.cat(pending.features) if pending.features else None  # [P - kept, F]
+        for fork in pending.seqs[1:]:
+            self.slots.copy(first.slot, fork.slot)
+        for seq in pending.seqs:
+            t0 = time.perf_counter()
             if features is not None:
-                seq.target_hidden = features[0]  # [P, F]
+                seq.target_hidden = features
             result = self._verify_logits(seq, EMPTY_PROPOSAL, logits)
             committed, _ = seq.append(result.committed(0))
             constraints.commit(seq, committed)
@@ -347,8 +402,10 @@ class Engine:
             if self.drafter is not None and not seq.finished:
                 self.drafter.start(seq)  # per-request set-up (a draft model defers reading the prompt)
             seq.metrics.prefill_time_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-        return seqs
+            self.running.append(seq)
+        for seq in pending.seqs:
+            if seq.finished:
+                self._release(seq)
 
     def _propose(self, seq: Sequence, k_max: int) -> Proposal:
         # Never draft past max_tokens or past the cache: the verify pass writes n + 1 positions.
@@ -560,6 +617,21 @@ class Engine:
                 faults.log.exception("the drafter failed to drop the state of slot %d", seq.slot)
         self.slots.release(seq.slot, seq.token_ids, reusable=seq.finish_reason != "error")
         self.metrics.merge(seq.metrics)
+
+
+@dataclass(eq=False)
+class Prefill:
+    """A prompt on its way into the cache: its sequences (a request's n samples) hold their slots,
+    and the first ``done`` positions of the prompt are in the first one's cache."""
+
+    seqs: list[Sequence]
+    prompt_ids: list[int]
+    done: int
+    features: list[torch.Tensor] = field(default_factory=list)  # [n, F] per chunk, for a drafter
+
+    @property
+    def remaining(self) -> int:
+        return len(self.prompt_ids) - self.done
 
 
 def _record_logprobs(seq: Sequence, logits: torch.Tensor, rows: list[int], committed: list[int]) -> None:

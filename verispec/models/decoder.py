@@ -703,7 +703,7 @@ class Decoder(nn.Module):
         ``attn_mask`` (True = attend) covers cache indices; row b's new tokens sit at indices
         ``kv_cache.lengths[slots[b]] + [0, T)``. Without it the mask is causal. A layer's sliding
         window, if any, cuts either mask by position (see the module docstring). ``num_logits`` computes logits for the last n rows only (prefill needs
-        just the last). A masked pass computes every row as a decode step would (see
+        just the last; 0 computes none). A masked pass computes every row as a decode step would (see
         :func:`row_attention`), so tree rows are bitwise equal to plain decoding. ``prefill``
         marks a prompt's first pass, which may take the faster path of ``PREFILL_MIN_TOKENS``;
         no other pass does. ``head`` replaces the model's LM head (normed hidden states
@@ -752,6 +752,9 @@ class Decoder(nn.Module):
         x = self.norm(x)
         if hidden is not None:
             hidden.append(x)
+        if num_logits == 0:  # a prompt's chunk before its last: only its K/V were wanted
+            logits = x.new_zeros(x.shape[0], 0, c.vocab_size, dtype=torch.float32)
+            return DecoderOutput(logits, hidden) if output_hidden_states else logits
         if num_logits is not None:
             x = x[:, -num_logits:]
         logits = self.logits(x) if head is None else head(x)

@@ -13,10 +13,12 @@ call) meet at two thread-safe points:
 
 One loop iteration::
 
-    end requests that were cancelled or ran past their deadline (a running one is aborted:
-        its slot is freed at once)
-    admit waiting requests while slots are free (prefill each; its first text is delivered);
-        a request for n samples waits, first in line, until n slots are free
+    end requests that were cancelled or ran past their deadline (a running or prefilling one
+        is aborted: its slots are freed at once)
+    admit waiting requests while slots are free (they take their slots; a request for n
+        samples waits, first in line, until n slots are free)
+    run prompts in chunks, up to a token budget (small while sequences decode), the prompt
+        with the fewest positions left first; a finished prompt's first text is delivered
     engine.step()            one target forward for every running sequence
     deliver new text (and new tokens' logprobs); deliver a final event to each finished or
         failed sequence
@@ -60,12 +62,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from verispec.config import SamplingParams
-from verispec.engine.engine import Engine
+from verispec.engine.engine import Engine, Prefill
 from verispec.logprobs import TokenLogprob
 from verispec.sequence import Sequence
 from verispec.server.metrics import EMPTY_SNAPSHOT, ServerMetrics, SpecSnapshot
 
 log = logging.getLogger(__name__)
+
+
+# Prompt positions run per loop iteration: while nothing decodes, and beside running decodes
+# (a few rows, about what a decode step costs, so streams' gaps stay within a few steps).
+PREFILL_TOKENS = 512
+PREFILL_TOKENS_BESIDE_DECODES = 8
 
 
 class QueueFull(Exception):
@@ -136,6 +144,15 @@ def abort_event(why: str) -> Event:
     return Event(error=message, status=status, reason=why)
 
 
+def _failure(e: Exception, what: str) -> Event:
+    """The final event of a request whose admission or prefill raised: a ``ValueError`` is the
+    engine's input check (400), anything else a fault (500, logged)."""
+    if isinstance(e, ValueError):
+        return Event(error=str(e), status=400, reason="invalid")
+    log.exception("%s failed", what)
+    return Event(error=f"internal engine error: {what} failed: {type(e).__name__}: {e}")
+
+
 class EngineRunner:
     def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 64,
                  shutdown_grace_s: float = 5.0, on_fatal: Callable[[], None] | None = None) -> None:
@@ -151,7 +168,7 @@ class EngineRunner:
         self._deadline: float | None = None  # when stopping: abort what still runs after this
         self.fatal: str | None = None  # why the engine thread died, if it did
         self.busy_since: float | None = None  # the heartbeat: when the running engine call began
-        self._prefilling = 0  # requests taken off the queue whose prefill has not returned (0 or 1)
+        self._prefills: list[tuple[Prefill, Request]] = []  # admitted requests whose prompts still run
         self._thread = threading.Thread(target=self._run, name="verispec-engine", daemon=True)
 
     # ---- asyncio side ------------------------------------------------------------------------
@@ -216,7 +233,7 @@ class EngineRunner:
     def num_active(self) -> int:
         """Requests admitted or waiting (for tests and /health)."""
         with self._cond:
-            return len(self._waiting) + len(self._running)
+            return len(self._waiting) + len(self._running) + len(self._prefills)
 
     # ---- engine thread -----------------------------------------------------------------------
 
@@ -234,13 +251,14 @@ class EngineRunner:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._waiting or self._running or self._stopping):
+                while not (self._waiting or self._running or self._prefills or self._stopping):
                     self._cond.wait()
-                if self._stopping and not self._running and not self._waiting:
+                if self._stopping and not self._running and not self._waiting and not self._prefills:
                     return
             try:
                 self._drop_ended()
                 self._admit()
+                self._prefill_chunks()
                 if self._running:
                     self._step()
             except Exception as e:  # a bug must not leave clients waiting forever
@@ -260,6 +278,8 @@ class EngineRunner:
         error = f"the engine stopped: {self.fatal}" if self.fatal else "the server shut down"
         for r in waiting:
             self._end(r, Event(error=error, status=503, reason="shutdown"))
+        for pending, r in list(self._prefills):
+            self._drop_prefill(pending, r, Event(error=error, status=503, reason="shutdown"))
         for seq, r in list(self._running.items()):
             try:
                 self.engine.abort(seq)
@@ -282,6 +302,10 @@ class EngineRunner:
                     gone.append((r, why))
         for r, why in gone:
             self._end(r, abort_event(why))
+        for pending, r in list(self._prefills):
+            why = self._why_ended(r, now) or ("shutdown" if expired else None)
+            if why is not None:
+                self._drop_prefill(pending, r, abort_event(why))
         for seq, r in list(self._running.items()):
             why = self._why_ended(r, now) or ("shutdown" if expired else None)
             if why is not None:
@@ -298,40 +322,72 @@ class EngineRunner:
         return None
 
     def _admit(self) -> None:
+        """Take waiting requests while their slots are free; their prompts run in
+        :meth:`_prefill_chunks`."""
         while self.engine.free_slots:
             with self._cond:
                 if not self._waiting or len(self.engine.free_slots) < min(self._waiting[0].n, self.engine.cache.num_slots):
                     return  # first come, first served: n samples wait for n free slots
                 r = self._waiting.popleft()
-                self._prefilling = 1
-                self._update_gauges()
-            try:
-                self.busy_since = time.monotonic()
                 try:
-                    seqs = self.engine.add_requests(r.prompt_ids, [r.params.for_choice(i) for i in range(r.n)],
-                                                    r.num_speculative_tokens)
-                finally:
-                    self.busy_since = None
-                    self._prefilling = 0
-            except Exception as e:  # the app validates first; this is a backstop
-                invalid = isinstance(e, ValueError)
-                if not invalid:
-                    log.exception("admitting a request failed")
-                error = str(e) if invalid else f"internal engine error: admission failed: {type(e).__name__}: {e}"
-                self._end(r, Event(error=error, status=400 if invalid else 500, reason="invalid" if invalid else "error"))
+                    pending = self.engine.begin_requests(r.prompt_ids, [r.params.for_choice(i) for i in range(r.n)],
+                                                         r.num_speculative_tokens)
+                except Exception as e:  # the app validates first; this is a backstop
+                    self._refuse(r, e)
+                    continue
+                self._prefills.append((pending, r))
                 self._update_gauges()
+
+    def _prefill_chunks(self) -> None:
+        """Run prompts, at most ``PREFILL_TOKENS`` positions in all (``PREFILL_TOKENS_BESIDE_DECODES``
+        while sequences decode, so their streams keep flowing), the prompt with the fewest left
+        first (a short request is not held up behind a long one); a prompt whose last chunk runs
+        joins the batch. Deadlines and cancellations are honoured between chunks."""
+        budget = PREFILL_TOKENS_BESIDE_DECODES if self._running else PREFILL_TOKENS
+        while budget > 0 and self._prefills:
+            pending, r = min(self._prefills, key=lambda item: item[0].remaining)
+            before = pending.done
+            self.busy_since = time.monotonic()
+            try:
+                done = self.engine.prefill(pending, budget)
+            except Exception as e:
+                self._drop_prefill(pending, r, _failure(e, "prefill"))
                 continue
-            now = time.monotonic()
-            self.metrics.ttft.observe(now - r.arrival)
-            self.metrics.prompt_tokens.inc(len(r.prompt_ids))
-            self.metrics.cached_prompt_tokens.inc(seqs[0].metrics.cached_prompt_tokens)
-            r.last_token_at = now
-            r.sequences, r.open_choices = seqs, len(seqs)
-            for seq in seqs:
-                self._running[seq] = r
-            self._update_gauges()
-            for seq in seqs:
-                self._report(seq, r, seq.text, len(seq.output_ids))
+            finally:
+                self.busy_since = None
+            budget -= pending.done - before
+            if done:
+                self._prefills.remove((pending, r))
+                self._started(pending.seqs, r)
+
+    def _started(self, seqs: list[Sequence], r: Request) -> None:
+        """``r``'s prompt has run: its sequences have their first tokens and run from now on."""
+        now = time.monotonic()
+        self.metrics.ttft.observe(now - r.arrival)
+        self.metrics.prompt_tokens.inc(len(r.prompt_ids))
+        self.metrics.cached_prompt_tokens.inc(seqs[0].metrics.cached_prompt_tokens)
+        r.last_token_at = now
+        r.sequences, r.open_choices = seqs, len(seqs)
+        for seq in seqs:
+            self._running[seq] = r
+        self._update_gauges()
+        for seq in seqs:
+            self._report(seq, r, seq.text, len(seq.output_ids))
+
+    def _refuse(self, r: Request, e: Exception) -> None:
+        self._end(r, _failure(e, "admission"))
+        self._update_gauges()
+
+    def _drop_prefill(self, pending: Prefill, r: Request, event: Event) -> None:
+        """End a request whose prompt is still running: its slots are given back."""
+        if (pending, r) in self._prefills:
+            self._prefills.remove((pending, r))
+        try:
+            self.engine.abort_prefill(pending)
+        except Exception:
+            log.exception("could not give back the slots of a prefill")
+        self._end(r, event)
+        self._update_gauges()
 
     def _step(self) -> None:
         before = {seq: len(seq.output_ids) for seq in self._running}
@@ -398,7 +454,7 @@ class EngineRunner:
 
     def _update_gauges(self) -> None:
         self.metrics.waiting.set(len(self._waiting))
-        self.metrics.running.set(self._num_running + self._prefilling)
+        self.metrics.running.set(self._num_running + len(self._prefills))
 
     @property
     def _num_running(self) -> int:
