@@ -203,7 +203,7 @@ class EngineRunner:
     def num_active(self) -> int:
         """Requests admitted or waiting (for tests and /health)."""
         with self._cond:
-            return len(self._waiting) + len(self._running)
+            return len(self._waiting) + self._num_running
 
     # ---- engine thread -----------------------------------------------------------------------
 
@@ -374,4 +374,9 @@ class EngineRunner:
 
     def _update_gauges(self) -> None:
         self.metrics.waiting.set(len(self._waiting))
-        self.metrics.running.set(len(self._running))
+        self.metrics.running.set(self._num_running)
+
+    @property
+    def _num_running(self) -> int:
+        """Running requests (a request's n samples are n running sequences)."""
+        return len(set(self._running.values()))
