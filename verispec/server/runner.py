@@ -233,7 +233,7 @@ class EngineRunner:
     def num_active(self) -> int:
         """Requests admitted or waiting (for tests and /health)."""
         with self._cond:
-            return len(self._waiting) + len(self._running) + len(self._prefills)
+            return len(self._waiting) + self._num_running + len(self._prefills)
 
     # ---- engine thread -----------------------------------------------------------------------
 
