@@ -17,7 +17,7 @@ from verispec.cli import build_parser, main, speculative_config_from_args
         (["--top-k", str(2**31)], "top_k must be -1, 0 (disabled) or a positive integer up to 2147483647"),
         (["--seed", str(2**64)], "seed must be in [-9223372036854775808, 9223372036854775807]"),
         (["--presence-penalty", "2.5"], "presence_penalty must be in [-2.0, 2.0]"),
-        (["--repetition-penalty", "0"], "repetition_penalty must be a finite number > 0"),
+        (["--repetition-penalty", "0"], "repetition_penalty must be in [0.01, 100.0]"),
         (["--min-tokens", "300"], "min_tokens must be in [0, max_tokens=256]"),
         (["--speculative-config", '{"method": "ngram", "bogus": 1}'], "unknown speculative config key"),
         (["--speculative-method", "nope"], "unknown speculative method 'nope'"),

@@ -23,6 +23,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64 (torch.Generator.manual_seed t
 TOP_K_MAX = 2**31 - 1  # any top_k >= the vocabulary keeps every token
 MAX_REQUEST_BYTES = 4 * 2**20  # the server's default limit on a request body
 PENALTY_MAX = 2.0  # presence and frequency penalties lie in [-PENALTY_MAX, PENALTY_MAX], as OpenAI's
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # 1 disables it
 LOGIT_BIAS_MAX = 100.0  # a logit bias lies in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX], as OpenAI's
 
 
@@ -51,7 +52,7 @@ class SamplingParams:
     logprobs: int | None = None
     presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: subtracted once from each token in the output
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: subtracted per occurrence in the output
-    repetition_penalty: float = 1.0  # vLLM's, > 0: scales the logits of tokens in the prompt or output
+    repetition_penalty: float = 1.0  # vLLM's: scales the logits of tokens in the prompt or output
     # OpenAI's: (token id, bias in [-100, 100]) pairs added to the logits; a mapping is accepted
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0  # vLLM's: EOS and stop token ids are masked until this many tokens are out
@@ -84,11 +85,15 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
         if self.grammar is not None and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with a grammar: a complete grammar ends with EOS")
+        if self.grammar is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with a grammar: a complete grammar ends with EOS, "
+                             "which min_tokens would forbid")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -PENALTY_MAX <= getattr(self, name) <= PENALTY_MAX:
                 raise ValueError(f"{name} must be in [-{PENALTY_MAX}, {PENALTY_MAX}], got {getattr(self, name)}")
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:  # (past them, logits overflow to infinities)
+            raise ValueError(f"repetition_penalty must be in [{low}, {high}], got {self.repetition_penalty}")
         bias = dict(self.logit_bias)  # a mapping or pairs; a repeated id keeps its last bias
         if any(int(t) != t or t < 0 for t in bias):
             raise ValueError(f"logit_bias keys must be token ids (>= 0), got {sorted(bias)[:5]}")

@@ -119,7 +119,7 @@ def test_n_streamed_gives_the_same_choices_as_one_response(client, kind):
     ({"logit_bias": {"5": 101}}, "logit_bias.5: Input should be less than or equal to 100", "logit_bias.5"),
     ({"logit_bias": {"z": 1}}, "String should match pattern", "logit_bias.z"),
     ({"logit_bias": {"100000": 1}}, "logit_bias token ids must be in [0, ", "logit_bias"),
-    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty: Input should be greater than 0",
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty: Input should be greater than or equal to 0.01",
      "repetition_penalty"),
     ({"extra_body": {"min_tokens": 5}}, "min_tokens=5 is more than", "min_tokens"),
     ({"extra_body": {"min_tokens": -1}}, "min_tokens: Input should be greater than or equal to 0", "min_tokens"),

@@ -4,7 +4,7 @@ is accepted with a response the document describes, every request it forbids is 
 
 The document cannot state the limits of the server's model: its context (96 tokens), its
 vocabulary, its k, its max_num_seqs (n), whether its chat template renders tools, nor whether a
-grammar compiles or min_tokens is at most the max tokens. A hook fits positive cases into them (and
+grammar compiles, nor that min_tokens is at most the max tokens and given without a grammar. A hook fits positive cases into them (and
 keeps generation to a few tokens); negative cases go out as generated. Schemathesis needs the
 document when the tests are
 collected, so it comes from an app built like the live server's, and the test checks that the
@@ -72,7 +72,9 @@ def map_case(_context, case):
     if any(body.get(field) is not None for field in GRAMMAR_FIELDS):
         # whether a grammar compiles, and whether the vocabulary can spell it, is not in the
         # document: one that does, for the tiny server's letters
-        body.update({field: None for field in GRAMMAR_FIELDS}, guided_choice=["ab", "c d"], ignore_eos=False)
+        # (nor, past the canonicalizer's reach, that min_tokens cannot come with one)
+        body.update({field: None for field in GRAMMAR_FIELDS}, guided_choice=["ab", "c d"], ignore_eos=False,
+                    min_tokens=0)
     speculative = body.get("speculative")
     if isinstance(speculative, dict) and speculative.get("num_speculative_tokens") is not None:
         speculative["num_speculative_tokens"] = min(speculative["num_speculative_tokens"], K)

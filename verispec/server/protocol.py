@@ -18,7 +18,7 @@ every bound below is also published there:
 
 * ``presence_penalty`` and ``frequency_penalty`` in [-2, 2], ``logit_bias`` (token id strings to
   biases in [-100, 100]; an id outside the vocabulary is a 400) as OpenAI's, and vLLM's
-  ``repetition_penalty`` (> 0) and ``min_tokens`` (at most the completion's max tokens): defined in
+  ``repetition_penalty`` (0.01 to 100) and ``min_tokens`` (at most the completion's max tokens): defined in
   :mod:`verispec.penalties`, and exact under speculation.
 * ``n`` samples (1 to ``MAX_N``, at most the server's ``max_num_seqs``): choices 0..n-1, with one
   prefill, each with its own seed stream (:meth:`verispec.config.SamplingParams.for_choice`).
@@ -56,7 +56,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, WithJsonSchema, model_validator
 
-from verispec.config import LOGIT_BIAS_MAX, PENALTY_MAX, SEED_MAX, SEED_MIN, TOP_K_MAX
+from verispec.config import LOGIT_BIAS_MAX, PENALTY_MAX, REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN, TOP_K_MAX
 from verispec.constraints import Grammar
 from verispec.metrics import SpecMetrics
 
@@ -203,7 +203,7 @@ class SamplingRequest(_Strict):
     frequency_penalty: Penalty | None = 0.0
     logit_bias: Annotated[dict[TokenIdText, Bias], Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={
         "additionalProperties": False})] | None = None  # keys: token ids, as strings
-    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0  # vLLM's; 1 disables
+    repetition_penalty: Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])] = 1.0  # vLLM's; 1 disables
     min_tokens: NonNegativeInt = 0  # vLLM's
 
     def refused(self) -> Refusal | None:
@@ -221,6 +221,9 @@ class SamplingRequest(_Strict):
         if asked and self.ignore_eos:
             return Refusal("ignore_eos",
                            f"ignore_eos cannot be combined with {asked[0]}: a complete grammar ends with EOS")
+        if asked and self.min_tokens:  # (not stated in the schema: see ChatCompletionRequest)
+            return Refusal("min_tokens",
+                           f"min_tokens cannot be combined with {asked[0]}: a complete grammar ends with EOS")
         return None
 
     def _grammar_field(self, name: str) -> object:
@@ -388,14 +391,12 @@ class NamedToolChoice(_Strict):
     function: ToolChoiceFunction
 
 
-_TOOL_CHOICE_NEEDS_TOOLS = {
-    "if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"type": "null"}}}},
-    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
-
 
 class ChatCompletionRequest(SamplingRequest):
+    # (tool_choice needs tools too, checked in `refused` but not stated here: with that rule the
+    # request's schema is past what JSON Schema tools expand, and none could generate from it)
     model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS,
-                                                           _TOOL_CHOICE_NEEDS_TOOLS, _ONE_GRAMMAR]})
+                                                           _ONE_GRAMMAR]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = None

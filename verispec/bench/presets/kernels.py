@@ -256,8 +256,8 @@ def avx512_superblock_ops(fmt: str, m: int) -> int:
 
 
 def zmm_per_cycle() -> int:
-    """512-bit vector instructions a core issues per cycle on the ports the row loop uses: Zen 4
-    (AMD family 25 with AVX512) runs each as two 256-bit halves on its two multiply pipes, one per
+    """512-bit vector instructions a core issues per cycle on the ports the row loop uses: an AMD
+    family 25 core with AVX512 runs each as two 256-bit halves on its two multiply pipes, one per
     cycle; full-width AVX512 cores two."""
     vendor = family = ""
     try:
