@@ -252,8 +252,10 @@ def footprint(args: Any, path: Path) -> dict:
 
     llama = [str(_llama_generator(args.llama_bin)), "-m", str(path), "-p", PROMPT, "-n", "1", "-c",
              str(args.context), "-t", str(args.threads), "-no-cnv", "--temp", "0"]
+    # plain decoding, as llama-completion's: a load is what is timed, not the speculative
+    # controller's cost measurements at start
     ours = [sys.executable, "-m", "verispec.cli", "generate", str(path), PROMPT, "--max-tokens", "1",
-            "--threads", str(args.threads), "--max-model-len", str(args.context)]
+            "--threads", str(args.threads), "--max-model-len", str(args.context), "--no-speculation"]
     kernels_dir = verispec_home() / "kernels"
     with tempfile.TemporaryDirectory(prefix="verispec-footprint-") as tmp:
         home = Path(tmp)
