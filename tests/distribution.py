@@ -13,6 +13,11 @@ thresholds, and each has a negative control that must fail them.
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import tempfile
+import time
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -68,20 +73,68 @@ def sample_counts(generate: Callable[[SamplingParams], list[int]], params: Sampl
                   draws: int = DRAWS, tokens: int = 3) -> np.ndarray:
     """Histogram of ``generate``'s ``tokens``-token outputs over ``draws`` seeds.
 
-    Draws run on one intra-op thread: a tiny model's operations gain nothing from a second one,
-    and on a two-core machine torch's OpenMP workers and the kernels' pool, each spinning after
-    its own calls, take turns stealing the core the other needs. Rows are bit-identical for any
-    thread count (tested with the kernels), so the distribution drawn is the same."""
+    Each draw runs on one intra-op thread: a tiny model's operations gain nothing from a second
+    one, and on a two-core machine torch's OpenMP workers and the kernels' pool, each spinning
+    after its own calls, take turns stealing the core the other needs. Rows are bit-identical for
+    any thread count (tested with the kernels), so the distribution drawn is the same. The draws
+    are split between this process and a forked copy of it (see :func:`_forked_counts`), so
+    both cores draw; which process draws a seed does not change what it draws."""
     counts = np.zeros((VOCAB,) * tokens)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        for i in range(draws):
+
+    def draw(seeds) -> np.ndarray:
+        part = np.zeros((VOCAB,) * tokens)
+        for i in seeds:
             out = generate(SamplingParams(**{**params.__dict__, "max_tokens": tokens, "seed": 10_000 + i}))
-            counts[tuple(out)] += 1
+            part[tuple(out)] += 1
+        return part
+
+    try:
+        counts += _forked_counts(draw, range(1, draws, 2), lambda: draw(range(0, draws, 2)))
     finally:
         torch.set_num_threads(threads)
     return counts
+
+
+def _forked_counts(draw: Callable, child_seeds: range, own: Callable[[], np.ndarray]) -> np.ndarray:
+    """``draw(child_seeds)`` in a forked child while this process runs ``own()``; their sum.
+
+    The child inherits the models, engines and any monkeypatched rule as they are, and draws on
+    one thread (the kernels' pool and torch's both run a call on the calling thread alone then).
+    A child that fails, or that has not answered well after this process finished its own share
+    (a library whose threads did not survive the fork could leave it waiting), is killed and its
+    seeds are drawn here instead: the test is never lost or hung by the split."""
+    if not hasattr(os, "fork"):
+        return own() + draw(child_seeds)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "counts.npy")
+        pid = os.fork()
+        if pid == 0:  # the child: draw, save, and leave without running any of pytest's exit code
+            code = 1
+            try:
+                np.save(result + ".part.npy", draw(child_seeds))
+                os.replace(result + ".part.npy", result)
+                code = 0
+            finally:
+                os._exit(code)
+        start = time.monotonic()
+        mine = own()
+        waited_for = max(60.0, 2 * (time.monotonic() - start))
+        deadline = time.monotonic() + waited_for
+        status = None
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        if status == 0 and os.path.exists(result):
+            return mine + np.load(result)
+    warnings.warn("the forked share of the draws did not come back; drawn here instead", stacklevel=3)
+    return mine + draw(child_seeds)
 
 
 def goodness_of_fit(counts: np.ndarray, expected_p: np.ndarray) -> tuple[float, float]:
