@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_PROMPT ?= Write a Python function that returns the n-th Fibonacci number, with a docstring.
 
 .PHONY: setup demo test test-long test-fast bench-decode bench-spec bench-report bench-adaptive bench-suffix \
-	bench-tree bench-batch bench-server bench-scale bench-kernels clean
+	bench-tree bench-batch bench-server bench-agent bench-scale bench-kernels clean
 
 setup: $(VENV)/.installed
 
@@ -76,6 +76,11 @@ bench-batch: setup
 
 bench-server: setup
 	$(VENV)/bin/verispec bench server
+
+# Tool-calling conversations end to end; LLAMA_BIN (a directory with llama-server, built as the
+# README shows) adds llama-server's modes beside verispec (docs/benchmarks/agent.md).
+bench-agent: setup
+	$(VENV)/bin/verispec bench agent $(if $(LLAMA_BIN),--llama-bin $(LLAMA_BIN))
 
 # One server against Ray Serve with 1 and with 2 replicas on the same cores (docs/scaling.md).
 bench-scale: setup

@@ -53,6 +53,8 @@ PRESETS: dict[str, Preset] = {
                     "packed weights' decode speed and verify cost, llama.cpp beside (docs/benchmarks/quant.md)"),
     "gguf": Preset("verispec.bench.presets.gguf:main",
                    "any GGUF file against llama.cpp: decode speed, exactness, memory, disk, load times"),
+    "agent": Preset("verispec.bench.presets.agent:main",
+                    "multi-turn tool calling end to end, llama-server --jinja beside (docs/benchmarks/agent.md)"),
     "quant-accuracy": Preset("verispec.bench.presets.quant_accuracy:main",
                              "int8/int4 agreement with the bf16 model (docs/benchmarks/quant.md)"),
 }
