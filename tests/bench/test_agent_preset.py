@@ -117,3 +117,21 @@ def test_unknown_llama_modes_are_refused(capsys):
     with pytest.raises(SystemExit):
         agent.parse_args(["--llama-modes", "plain,turbo"])
     assert "unknown --llama-modes turbo" in capsys.readouterr().err
+
+
+def test_a_server_that_does_not_force_calls_gets_the_calls_schema_instead():
+    conv = {"id": "t", "tools": ["get_weather"], "turns": [{"user": "weather?", "calls": 1}]}
+    client = ScriptedClient([
+        (SimpleNamespace(content='{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}',
+                         tool_calls=None), "stop"),
+        (SimpleNamespace(content="Cold.", tool_calls=None), "stop"),
+    ])
+    run = agent.run_conversation(client, conv, 64, 32, calls_by_schema=True)
+    assert run["produced"][0] == ["call", "get_weather", '{"city": "Oslo", "unit": "celsius"}']
+    assert (run["constrained"], run["valid"]) == (1, 1)
+    first, answer = client.requests
+    assert "tool_choice" not in first and first["tools"][0]["function"]["name"] == "get_weather"
+    schema = first["response_format"]["json_schema"]["schema"]
+    assert "x-guidance" not in schema and schema["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
+    assert answer["messages"][1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert answer["messages"][2]["role"] == "tool" and json.loads(answer["messages"][2]["content"])["city"] == "Oslo"

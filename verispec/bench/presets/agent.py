@@ -46,6 +46,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from verispec.bench.goals import judged
@@ -343,10 +344,33 @@ def valid(text: str | None, schema: dict) -> tuple[bool, Any]:
 
 # -------------------------------------------------------------------------------- one conversation
 
-def run_conversation(client: Any, conv: dict, max_call_tokens: int, max_answer_tokens: int) -> dict:
+def _calls_from_schema_answer(choice: Any, calls_so_far: int) -> list:
+    """The one call an answer under the call's JSON schema holds (none where it is not JSON)."""
+    try:
+        value = json.loads(choice.message.content or "")
+        call = SimpleNamespace(id=f"call-{calls_so_far}", function=SimpleNamespace(
+            name=value["name"], arguments=json.dumps(value["arguments"])))
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return []
+    return [call]
+
+
+def run_conversation(client: Any, conv: dict, max_call_tokens: int, max_answer_tokens: int,
+                     calls_by_schema: bool = False) -> dict:
     """The conversation against one server: what the model produced (calls and answers), the
-    completion tokens, requests, wall time, and the constrained outputs' validity."""
+    completion tokens, requests, wall time, and the constrained outputs' validity.
+
+    ``calls_by_schema``: for a server that does not hold ``tool_choice: "required"`` to a call
+    (llama-server with some templates answers in free text), each call request carries the
+    call's JSON schema (a name and its arguments) as its response format instead, and the call
+    is read from the answer's JSON; the prompt is the same, the tools included."""
+    from verispec.tools import call_schema
+
     tools = [{"type": "function", "function": {"name": n, **TOOLS[n]}} for n in conv["tools"]]
+    forced: dict[str, Any] = {"tool_choice": "required"}
+    if calls_by_schema:
+        schema = {k: v for k, v in call_schema(tools).items() if k != "x-guidance"}
+        forced = {"response_format": {"type": "json_schema", "json_schema": {"name": "call", "schema": schema}}}
     world = Workspace()
     messages: list[dict] = []
     produced: list[list] = []
@@ -362,8 +386,9 @@ def run_conversation(client: Any, conv: dict, max_call_tokens: int, max_answer_t
     for turn in conv["turns"]:
         messages.append({"role": "user", "content": turn["user"]})
         for _ in range(turn["calls"]):
-            choice = ask(tools=tools, tool_choice="required", max_tokens=max_call_tokens)
-            calls = choice.message.tool_calls or []
+            choice = ask(tools=tools, max_tokens=max_call_tokens, **forced)
+            calls = (_calls_from_schema_answer(choice, counts["requests"]) if calls_by_schema
+                     else choice.message.tool_calls or [])
             if choice.finish_reason == "length":
                 counts["cut"] += 1
                 produced.append(["cut", choice.message.content])
@@ -496,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, conv in enumerate(convs):
             order = methods[i % len(methods):] + methods[: i % len(methods)]
             for name in order:
-                run = run_conversation(clients[name], conv, args.max_call_tokens, args.max_answer_tokens)
+                run = run_conversation(clients[name], conv, args.max_call_tokens, args.max_answer_tokens,
+                                       calls_by_schema=name.startswith("llama-"))
                 runs[name].append(run)
                 log(f"{conv['id']} {name}: {run['tokens']} tokens in {run['wall_s']:.1f} s "
                     f"({run['requests']} requests)")
