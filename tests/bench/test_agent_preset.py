@@ -86,7 +86,8 @@ def test_a_conversation_runs_calls_sends_results_and_checks_json():
     assert run["produced"][0] == ["call", "get_weather", '{"city": "Oslo", "unit": "celsius"}']
     assert run["produced"][-1] == ["answer", '{"x": 3}']
     first, second, answer = client.requests[0], client.requests[1], client.requests[2]
-    assert first["tool_choice"] == "required" and answer["tool_choice"] == "none"
+    assert first["tool_choice"] == "required" and first["parallel_tool_calls"] is False
+    assert answer["tool_choice"] == "none"
     result = json.loads(second["messages"][-1]["content"])
     assert second["messages"][-1]["role"] == "tool" and result["city"] == "Oslo"
     assert json.loads(answer["messages"][-1]["content"]) == {"error": "invalid call"}

@@ -5,8 +5,8 @@ The workload (``data/agent.jsonl``, written for this benchmark and never used to
 is 24 conversations with a coding agent's tools (read, write and search files of a small
 project, run its tests) and an assistant's (weather, currency, orders, calendar, SQL, stock
 prices). Each user turn says how many tool-call requests it takes: each such request is sent
-with ``tool_choice: "required"``, so the answer is a call whose arguments follow the function's
-JSON schema; the benchmark runs the calls with deterministic fake tools (:class:`Workspace`) and
+with ``tool_choice: "required"`` and ``parallel_tool_calls: false``, so the answer is one call
+whose arguments follow the function's JSON schema; the benchmark runs the calls with deterministic fake tools (:class:`Workspace`) and
 sends their results back as ``tool`` messages. The turn ends with an answer: plain text
 (``tool_choice: "none"``), or JSON under a ``json_schema`` response format where the turn gives
 one. Conversations grow to a few thousand tokens (file contents come back in tool results and
@@ -20,7 +20,10 @@ non-streamed, greedy:
   weights, ``verispec-plain`` (no drafter);
 * ``llama-<mode>`` -- one ``llama-server --jinja`` per mode of ``--llama-modes`` (plain,
   ``ngram-mod``, the draft model), started from ``--llama-bin`` on the same GGUF file with the
-  same threads and context, each idle while the others run.
+  same threads and context, each idle while the others run. llama-server does not hold
+  ``tool_choice: "required"`` to a call for every template (Qwen2.5's answers in free text), so
+  its call requests carry the call's JSON schema as their response format instead (see
+  :func:`run_conversation`).
 
 For each conversation the methods run in turn, the first one rotating from conversation to
 conversation, so machine drift hits them alike. A method's figure is its completion tokens
@@ -367,7 +370,9 @@ def run_conversation(client: Any, conv: dict, max_call_tokens: int, max_answer_t
     from verispec.tools import call_schema
 
     tools = [{"type": "function", "function": {"name": n, **TOOLS[n]}} for n in conv["tools"]]
-    forced: dict[str, Any] = {"tool_choice": "required"}
+    # one call per request, as the schema form below makes (with parallel calls a model that has
+    # not seen the first call's result yet goes on to guess at the next one's arguments)
+    forced: dict[str, Any] = {"tool_choice": "required", "parallel_tool_calls": False}
     if calls_by_schema:
         schema = {k: v for k, v in call_schema(tools).items() if k != "x-guidance"}
         forced = {"response_format": {"type": "json_schema", "json_schema": {"name": "call", "schema": schema}}}
