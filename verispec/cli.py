@@ -25,7 +25,7 @@ from pathlib import Path
 
 from verispec.bench import cli as bench_cli
 from verispec.bench.presets import PRESETS, run_preset
-from verispec.config import MAX_REQUEST_BYTES, SamplingParams, SpeculativeConfig, TrainSettings
+from verispec.config import DEFAULT_SPECULATIVE, MAX_REQUEST_BYTES, SamplingParams, SpeculativeConfig, TrainSettings
 
 # The commands import what they run (torch, the models, the server) inside their functions, so
 # that ``verispec --help`` and argument errors answer without loading any of it.
@@ -85,11 +85,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    "whether the outputs are identical")
 
 
-# What `generate` and `serve` run with no speculative flag: model-free suffix decoding (over the
-# prompt, the answer so far and earlier answers) under the adaptive controller. Outputs are the
-# target's whatever drafts, so the default costs nothing in quality; where drafts do not pay the
-# controller stops drafting.
-DEFAULT_SPECULATIVE = {"method": "suffix", "num_speculative_tokens": 8}
 
 
 def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:

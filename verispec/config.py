@@ -145,6 +145,13 @@ def tree_choices(choices: Iterable[Sequence[int]]) -> list[tuple[int, ...]]:
     return paths
 
 
+# What `verispec generate` and `verispec serve` run with no speculative flag: model-free suffix
+# decoding (over the prompt, the answer so far and earlier answers) under the adaptive
+# controller. Outputs are the target's whatever drafts, so the default costs nothing in quality;
+# where drafts do not pay the controller stops drafting.
+DEFAULT_SPECULATIVE = {"method": "suffix", "num_speculative_tokens": 8}
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM-compatible speculative decoding settings (``--speculative-config`` JSON).

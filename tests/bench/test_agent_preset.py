@@ -110,6 +110,8 @@ def test_the_summary_judges_identity_validity_and_the_llama_ratio():
     goals = report["goals"]
     assert goals["vs_best_llama_server"]["best"] == "llama-ngram-mod"
     assert goals["vs_best_llama_server"]["ratio"] == pytest.approx(100 / 80) and not goals["vs_best_llama_server"]["met"]
+    assert goals["vs_best_llama_server"]["quickest"] == "llama-plain"
+    assert goals["vs_best_llama_server"]["conversation_time_ratio"] == pytest.approx(1.0)
     assert goals["identical"]["met"] is False and goals["schema_valid"]["met"] is True
     agent.print_table(report)
 
