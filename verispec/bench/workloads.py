@@ -173,3 +173,154 @@ def turn_messages(question: Question, answers: Sequence[str]) -> list[dict[str, 
         messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
     messages.append({"role": "user", "content": question.turns[len(answers)]})
     return messages
+
+
+# Short functions and classes of about 150 tokens each: the code that the suffix preset's edits
+# rewrite, and the agent preset's project files start from.
+CODE_BODIES = [
+    '''def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    result = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            result.append(total / window)
+    return result
+
+
+def normalize(values):
+    low, high = min(values), max(values)
+    if high == low:
+        return [0.0 for _ in values]
+    return [(v - low) / (high - low) for v in values]''',
+    '''class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, quantity):
+        if quantity <= 0:
+            raise ValueError("quantity must be positive")
+        self.items[name] = self.items.get(name, 0) + quantity
+
+    def remove(self, name, quantity):
+        current = self.items.get(name, 0)
+        if quantity > current:
+            raise KeyError(f"not enough {name} in stock")
+        self.items[name] = current - quantity
+        if self.items[name] == 0:
+            del self.items[name]
+
+    def total(self):
+        return sum(self.items.values())''',
+    '''def parse_config(lines):
+    config = {}
+    section = None
+    for raw in lines:
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+            config[section] = {}
+            continue
+        key, _, value = line.partition("=")
+        if section is None:
+            raise ValueError("key outside of a section")
+        config[section][key.strip()] = value.strip()
+    return config''',
+    '''def binary_search(items, target):
+    low, high = 0, len(items) - 1
+    while low <= high:
+        mid = (low + high) // 2
+        if items[mid] == target:
+            return mid
+        if items[mid] < target:
+            low = mid + 1
+        else:
+            high = mid - 1
+    return -1
+
+
+def insert_sorted(items, value):
+    index = 0
+    while index < len(items) and items[index] < value:
+        index += 1
+    items.insert(index, value)
+    return items''',
+    '''import json
+
+
+def load_users(path):
+    with open(path) as handle:
+        data = json.load(handle)
+    users = []
+    for entry in data["users"]:
+        if not entry.get("active", True):
+            continue
+        users.append({
+            "name": entry["name"],
+            "email": entry["email"].lower(),
+            "age": int(entry.get("age", 0)),
+        })
+    return users
+
+
+def adults(users):
+    return [user for user in users if user["age"] >= 18]''',
+    '''def word_frequencies(text):
+    counts = {}
+    for word in text.lower().split():
+        word = word.strip(".,;:!?\\"'()")
+        if not word:
+            continue
+        counts[word] = counts.get(word, 0) + 1
+    return counts
+
+
+def top_words(text, n):
+    counts = word_frequencies(text)
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return [word for word, _ in ranked[:n]]''',
+    '''class Stack:
+    def __init__(self, capacity):
+        self.capacity = capacity
+        self.data = []
+
+    def push(self, value):
+        if len(self.data) >= self.capacity:
+            raise OverflowError("stack is full")
+        self.data.append(value)
+
+    def pop(self):
+        if not self.data:
+            raise IndexError("pop from an empty stack")
+        return self.data.pop()
+
+    def peek(self):
+        if not self.data:
+            return None
+        return self.data[-1]
+
+    def __len__(self):
+        return len(self.data)''',
+    '''def merge_intervals(intervals):
+    if not intervals:
+        return []
+    ordered = sorted(intervals, key=lambda pair: pair[0])
+    merged = [list(ordered[0])]
+    for start, end in ordered[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(pair) for pair in merged]
+
+
+def total_covered(intervals):
+    return sum(end - start for start, end in merge_intervals(intervals))''',
+]

@@ -56,6 +56,7 @@ from typing import Any
 from verispec.bench.goals import judged
 from verispec.bench.machine import log, machine_load
 from verispec.bench.presets.common import DRAFT, TARGET, PresetParser, emit_report
+from verispec.bench.workloads import CODE_BODIES
 
 WORKLOAD = Path(__file__).resolve().parent.parent / "data" / "agent.jsonl"
 
@@ -130,43 +131,8 @@ TOOLS: dict[str, dict] = {
 }
 
 PROJECT = {
-    "utils/stats.py": '''def moving_average(values, window):
-    if window <= 0:
-        raise ValueError("window must be positive")
-    result = []
-    total = 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        if i >= window - 1:
-            result.append(total / window)
-    return result
-
-
-def normalize(values):
-    low, high = min(values), max(values)
-    if high == low:
-        return [0.0 for _ in values]
-    return [(v - low) / (high - low) for v in values]
-''',
-    "inventory.py": '''class Inventory:
-    def __init__(self):
-        self.items = {}
-
-    def add(self, name, quantity):
-        if quantity <= 0:
-            raise ValueError("quantity must be positive")
-        self.items[name] = self.items.get(name, 0) + quantity
-
-    def remove(self, name, quantity):
-        current = self.items.get(name, 0)
-        if quantity > current:
-            raise KeyError(f"not enough {name} in stock")
-        self.items[name] = current - quantity
-        if self.items[name] == 0:
-            del self.items[name]
-''',
+    "utils/stats.py": CODE_BODIES[0] + "\n",
+    "inventory.py": CODE_BODIES[1].split("\n\n    def total")[0] + "\n",  # without its total()
     "net/parser.py": '''def parse_header(line):
     name, _, value = line.partition(":")
     return name.strip().lower(), value.strip()
