@@ -85,8 +85,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    "whether the outputs are identical")
 
 
-
-
 def speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
     """Merge ``--speculative-config`` with the shorthand flags (the shorthands win). Where nothing
     names a method or a draft model, :data:`DEFAULT_SPECULATIVE` fills in (so no flag at all

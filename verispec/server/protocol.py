@@ -391,7 +391,6 @@ class NamedToolChoice(_Strict):
     function: ToolChoiceFunction
 
 
-
 class ChatCompletionRequest(SamplingRequest):
     # (tool_choice needs tools too, checked in `refused` but not stated here: with that rule the
     # request's schema is past what JSON Schema tools expand, and none could generate from it)

@@ -91,6 +91,14 @@ def uvicorn_config(app: FastAPI, *, header_timeout_s: float = 10.0, limit_concur
                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **kwargs)
 
 
+def free_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on now, for a server started next (another
+    process may take it meanwhile; the servers this package starts itself keep their socket)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class BackgroundServer:
     """An app served by uvicorn in a background thread on a free port of 127.0.0.1 (for tests
     and benchmarks). Use as a context manager; leaving it shuts the server down gracefully."""

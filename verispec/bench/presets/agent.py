@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -55,7 +53,7 @@ from typing import Any
 
 from verispec.bench.goals import judged
 from verispec.bench.machine import log, machine_load
-from verispec.bench.presets.common import DRAFT, TARGET, PresetParser, emit_report
+from verispec.bench.presets.common import DRAFT, TARGET, PresetParser, emit_report, goal_status, number
 from verispec.bench.workloads import CODE_BODIES
 
 WORKLOAD = Path(__file__).resolve().parent.parent / "data" / "agent.jsonl"
@@ -212,7 +210,7 @@ ORDERS = {
 }
 
 
-def _number(text: str, low: float, high: float) -> float:
+def _stable_number(text: str, low: float, high: float) -> float:
     """A stable number in [low, high) for ``text``."""
     return round(low + (zlib.crc32(text.strip().lower().encode()) % 10_000) / 10_000 * (high - low), 2)
 
@@ -256,7 +254,7 @@ class Workspace:
         return {"matches": hits[:10]}
 
     def get_weather(self, city: str, unit: str) -> Any:
-        celsius = _number(city, -5, 32)
+        celsius = _stable_number(city, -5, 32)
         value = celsius if unit == "celsius" else round(celsius * 9 / 5 + 32, 1)
         sky = ("sunny", "cloudy", "light rain", "windy")[zlib.crc32(city.lower().encode()) % 4]
         return {"city": city, "temperature": value, "unit": unit, "conditions": sky}
@@ -289,7 +287,7 @@ class Workspace:
     def run_sql(self, query: str) -> Any:
         q = query.lower()
         if "count(" in q or "avg(" in q or "sum(" in q or "max(" in q:
-            return {"columns": ["value"], "rows": [[_number(query, 10, 5000)]]}
+            return {"columns": ["value"], "rows": [[_stable_number(query, 10, 5000)]]}
         if "users" in q:
             return {"columns": ["id", "email", "created_at"],
                     "rows": [[900 - i, f"user{900 - i}@example.com", f"2025-12-{28 - i:02d}"] for i in range(10)]}
@@ -297,7 +295,7 @@ class Workspace:
                 "rows": [[k, v["status"], v["total"]] for k, v in ORDERS.items()]}
 
     def get_stock_price(self, symbol: str) -> Any:
-        return {"symbol": symbol.upper(), "price_usd": _number(symbol, 20, 400)}
+        return {"symbol": symbol.upper(), "price_usd": _stable_number(symbol, 20, 400)}
 
 
 def valid(text: str | None, schema: dict) -> tuple[bool, Any]:
@@ -398,17 +396,13 @@ def run_conversation(client: Any, conv: dict, max_call_tokens: int, max_answer_t
 
 # ----------------------------------------------------------------------------------------- servers
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServer:
     """``llama-server --jinja`` in one mode on a free local port, for as long as the context."""
 
     def __init__(self, args: argparse.Namespace, mode: str, gguf: Path, draft: Path) -> None:
-        self.port = _free_port()
+        from verispec.server.serve import free_port
+
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         extra = [a.format(draft=draft) for a in LLAMA_MODES[mode]]
         self.cmd = [str(args.llama_bin / "llama-server"), "-m", str(gguf), "--jinja", "-t", str(args.threads),
@@ -421,8 +415,7 @@ class LlamaServer:
 
         from verispec.runtime import foreign_env
 
-        self.log = open(os.devnull, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=foreign_env())
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=foreign_env())
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -445,7 +438,6 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
 
 
 def verispec_servers(args: argparse.Namespace) -> dict:
@@ -535,29 +527,25 @@ def summarise(args: argparse.Namespace, runs: dict[str, list[dict]], load: float
     }
     return {"target": args.target, "speculative_config": args.speculative, "threads": args.threads,
             "conversations": len(runs["verispec"]), "load_before": load, "methods": rows, "goals": goals,
-            "runs": {name: [{k: v for k, v in r.items()} for r in rs] for name, rs in runs.items()}}
+            "runs": runs}
 
 
 def print_table(report: dict) -> None:
-    def f(v: float | None, spec: str = ".2f") -> str:
-        return "n/a" if v is None else format(v, spec)
-
     print(f"\ntarget {report['target']}, speculative {json.dumps(report['speculative_config'])}, "
           f"threads {report['threads']}, {report['conversations']} conversations\n")
     print("| method | tokens | wall s | tokens/s | vs verispec plain | requests | valid JSON | cut | identical |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, m in report["methods"].items():
         ident = "" if m["identical"] is None else f"{m['identical']}/{report['conversations']}"
-        print(f"| {name} | {m['tokens']} | {f(m['wall_s'], '.1f')} | {f(m['tokens_per_s'])} | "
-              f"{f(m['vs_verispec_plain'])}x | {m['requests']} | {m['valid']}/{m['constrained']} | {m['cut']} | {ident} |")
+        print(f"| {name} | {m['tokens']} | {number(m['wall_s'], '.1f')} | {number(m['tokens_per_s'])} | "
+              f"{number(m['vs_verispec_plain'])}x | {m['requests']} | {m['valid']}/{m['constrained']} | {m['cut']} | {ident} |")
     g = report["goals"]
     vs = g["vs_best_llama_server"]
-    met = {True: "met", False: "NOT met", None: "n/a"}
-    print(f"\ngoals: verispec over the best llama-server mode ({vs['best']}) {f(vs['ratio'])}x tokens/s "
-          f"(goal >= {vs['goal']}x: {met[vs['met']]}; the conversations' time: {f(vs['conversation_time_ratio'])}x "
+    print(f"\ngoals: verispec over the best llama-server mode ({vs['best']}) {number(vs['ratio'])}x tokens/s "
+          f"(goal >= {vs['goal']}x: {goal_status(vs['met'])}; the conversations' time: {number(vs['conversation_time_ratio'])}x "
           f"the quickest mode's, {vs['quickest']}); identical to plain {g['identical']['identical']}/"
-          f"{g['identical']['conversations']} ({met[g['identical']['met']]}); schema-valid "
-          f"{g['schema_valid']['valid']}/{g['schema_valid']['constrained']} ({met[g['schema_valid']['met']]})\n")
+          f"{g['identical']['conversations']} ({goal_status(g['identical']['met'])}); schema-valid "
+          f"{g['schema_valid']['valid']}/{g['schema_valid']['constrained']} ({goal_status(g['schema_valid']['met'])})\n")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from verispec.bench.workloads import SPEC_BENCH_ENV, read_jsonl, spec_bench_path
 from verispec.config import SamplingParams
 
 __all__ = ["DRAFT", "OPTIONS", "TARGET", "PresetParser", "chat_questions", "emit_report", "first_divergence",
-           "run_one", "select_questions", "spec_bench_path"]
+           "goal_status", "number", "run_one", "select_questions", "spec_bench_path"]
 
 TARGET = "qwen2.5-coder-1.5b-instruct"  # the presets' default target
 DRAFT = "qwen2.5-coder-0.5b-instruct"  # ... and draft model
@@ -177,6 +177,16 @@ def run_one(engine: Any, prompt_ids: list[int], max_tokens: int) -> dict:
         "decode_tokens": max(len(seq.output_ids) - 1, 0),
         "finish_reason": seq.finish_reason,
     }
+
+
+def number(v: float | None, spec: str = ".2f") -> str:
+    """``v`` in a report's table, formatted with ``spec``; "n/a" where it was not measured."""
+    return "n/a" if v is None else format(v, spec)
+
+
+def goal_status(met: bool | None) -> str:
+    """Whether a goal was met, in a report's words ("n/a": not judged)."""
+    return "n/a" if met is None else "met" if met else "NOT met"
 
 
 def emit_report(report: dict, print_table: Callable[[dict], None], out: Path | None) -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import sys
 import torch
@@ -53,7 +52,7 @@ def start_endpoints(args: argparse.Namespace) -> tuple[dict[str, str], object]:
     from verispec.models.loader import load_model
     from verispec.server.app import build_app
     from verispec.server.ray_serve import ScaleOutConfig, build_application
-    from verispec.server.serve import BackgroundServer
+    from verispec.server.serve import BackgroundServer, free_port
 
     spec_dict = json.loads(args.speculative_config) if args.speculative_config else None
     target = load_model(args.target, progress=False)
@@ -62,9 +61,7 @@ def start_endpoints(args: argparse.Namespace) -> tuple[dict[str, str], object]:
     single = BackgroundServer(build_app(engine, "bench", max_queue=1024))
 
     ray.init(num_cpus=2 * args.threads, include_dashboard=False, log_to_driver=False)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     for name, replicas in (("r1", 1), ("r2", 2)):
         threads = args.threads // replicas

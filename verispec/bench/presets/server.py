@@ -36,7 +36,7 @@ import torch
 
 from verispec.bench.goals import judged
 from verispec.bench.machine import log, machine_load
-from verispec.bench.presets.common import DRAFT, TARGET, PresetParser, chat_questions, emit_report
+from verispec.bench.presets.common import DRAFT, TARGET, PresetParser, chat_questions, emit_report, goal_status, number
 from verispec.config import SpeculativeConfig
 
 SPECULATIVE_CONFIG = json.dumps({"model": DRAFT, "num_speculative_tokens": 4})
@@ -171,9 +171,6 @@ def summarise(args: argparse.Namespace, levels: list[int], results: dict, load: 
 
 
 def print_table(report: dict) -> None:
-    def f(v: float | None, spec: str = ".2f") -> str:
-        return "n/a" if v is None else format(v, spec)
-
     print(f"\ntarget {report['target']}, speculative {json.dumps(report['speculative_config'])}, "
           f"max_tokens {report['max_tokens']}, threads {report['threads']}\n")
     print("| concurrency | server | tokens/s | speedup | mean latency s | TTFT s | ITL ms | mean acc. len | identical |")
@@ -181,16 +178,13 @@ def print_table(report: dict) -> None:
     for r in report["levels"]:
         for name in ("plain", "spec"):
             m = r[name]
-            speedup = f(r["speedup"]) + "x" if name == "spec" else "1.00x"
+            speedup = number(r["speedup"]) + "x" if name == "spec" else "1.00x"
             ident = (f"{r['identical']}/{r['requests']} (alone {r['identical_to_alone']})"
                      if name == "spec" else "")
-            print(f"| {r['concurrency']} | {name} | {f(m['throughput_tok_s'])} | {speedup} | "
-                  f"{f(m['mean_latency_s'])} | {f(m['mean_ttft_s'])} | {f(m['mean_itl_s'] and m['mean_itl_s'] * 1e3, '.1f')} | "
-                  f"{f(m['mean_acceptance_length'])} | {ident} |")
-    def status(met: bool | None) -> str:
-        return "n/a" if met is None else "met" if met else "NOT met"
-
-    print("\ngoals: " + ", ".join(f"{k} {f(g['ratio'])}x (goal >= {g['goal']}x: {status(g['met'])})"
+            print(f"| {r['concurrency']} | {name} | {number(m['throughput_tok_s'])} | {speedup} | "
+                  f"{number(m['mean_latency_s'])} | {number(m['mean_ttft_s'])} | {number(m['mean_itl_s'] and m['mean_itl_s'] * 1e3, '.1f')} | "
+                  f"{number(m['mean_acceptance_length'])} | {ident} |")
+    print("\ngoals: " + ", ".join(f"{k} {number(g['ratio'])}x (goal >= {g['goal']}x: {goal_status(g['met'])})"
                                   for k, g in report["goals"].items()) + "\n")
 
 

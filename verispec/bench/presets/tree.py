@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from verispec.bench.machine import log, machine_load
-from verispec.bench.presets.common import DRAFT, TARGET, PresetParser, select_questions
+from verispec.bench.presets.common import DRAFT, TARGET, PresetParser, number, select_questions
 from verispec.config import SamplingParams, SpeculativeConfig
 from verispec.metrics import SpecMetrics
 
@@ -153,18 +153,15 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def print_report(rows: dict, args: argparse.Namespace, load: float) -> None:
-    def f(v: Any, spec: str = ".2f") -> str:
-        return "n/a" if v is None else format(v, spec)
-
     print(f"\nTree ({args.depth} deep, top-{args.topk}, {args.budget} nodes) vs chain ({args.budget} drafts), "
           f"{args.num_questions} questions, <= {args.max_tokens} tokens, load before start {load:.2f}\n")
     print("| run | mean acceptance length | tokens/s | vs plain | tree size | c | alpha | length vs chain "
           "| speed vs chain |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key, r in rows.items():
-        print(f"| {key} | {f(r['mean_acceptance_length'])} | {f(r['tokens_per_s'])} | {f(r.get('speed_vs_plain'))} "
-              f"| {f(r.get('mean_tree_size'), '.1f')} | {f(r.get('c'))} | {f(r.get('alpha'))} "
-              f"| {f(r.get('length_vs_chain'))} | {f(r.get('speed_vs_chain'))} |")
+        print(f"| {key} | {number(r['mean_acceptance_length'])} | {number(r['tokens_per_s'])} | {number(r.get('speed_vs_plain'))} "
+              f"| {number(r.get('mean_tree_size'), '.1f')} | {number(r.get('c'))} | {number(r.get('alpha'))} "
+              f"| {number(r.get('length_vs_chain'))} | {number(r.get('speed_vs_chain'))} |")
     same = [k for k, r in rows.items() if "identical_to_plain" in r]
     print(f"T = 0 outputs identical to plain decoding: {sum(rows[k]['identical_to_plain'] for k in same)}/{len(same)} runs")
     met = [k for k, r in rows.items() if (r.get("length_vs_chain") or 0) >= args.goal_length
